@@ -1,0 +1,236 @@
+"""Capsule layers: primary capsules, convolutional and fully connected capsule layers.
+
+Pose layouts used throughout capsctl (letters as in REFERENCE.md §1):
+
+- grid poses ``[b, h, w, n, d]`` (capsule types last, channel-last like the authors' code),
+- flat poses ``[b, n, d]`` (an FC layer flattens a grid as ``(h, w, n)``).
+
+A pose of dim ``d`` is a vector, or for *matrix poses* an ``s x s`` matrix with ``d = s*s``.
+Votes: matrix poses use ``V = P @ W`` (the pose multiplied on the right by an ``s x s`` weight,
+as the authors' code does; the paper writes the left product); vector poses use
+``v = W p``. Both are written as one product: a child pose is an ``a x x`` matrix (``a = s`` rows
+for matrix poses, ``a = 1`` for vectors), a weight is ``x x c``, a vote is ``a x c``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from capsctl.layers.routing import routed_pass
+
+PoseKind = Literal["matrix", "vector"]
+
+
+def pose_shape(dim: int, kind: PoseKind) -> tuple[int, int]:
+    """``(a, x)``: rows and columns of a pose of ``dim`` entries read as a matrix."""
+    if kind == "vector":
+        return 1, dim
+    s = math.isqrt(dim)
+    if s * s != dim:
+        raise ValueError(f"matrix poses need a square pose dim, got {dim}")
+    return s, s
+
+
+class PrimaryCapsules(nn.Module):
+    """1x1 convolution to ``types * dim`` channels, read channel-last as capsules, LayerNorm."""
+
+    def __init__(self, in_channels: int, types: int, dim: int, *, layer_norm: bool = True) -> None:
+        super().__init__()
+        self.types, self.dim = types, dim
+        self.conv = nn.Conv2d(in_channels, types * dim, kernel_size=1, bias=False)
+        self.norm: nn.Module = nn.LayerNorm(dim) if layer_norm else nn.Identity()
+
+    def forward(self, feats: Tensor) -> Tensor:
+        b, _, h, w = feats.shape
+        y = self.conv(feats)  # [b, n*d, h, w]
+        y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
+        return self.norm(y)
+
+
+class CapsuleLayer(nn.Module):
+    """Common part of the FC and conv capsule layers: weights, init, dropout, LayerNorm.
+
+    ``in_types`` (n) child types of dim ``in_dim``, ``out_types`` (m) parent types of dim
+    ``out_dim``. ``fan`` is the number of child capsule types each parent sees per position
+    (``n`` for FC layers over a flat input, ``n*k*k`` for conv layers), used by the init.
+    """
+
+    weight: Tensor
+
+    def __init__(
+        self,
+        in_types: int,
+        in_dim: int,
+        out_types: int,
+        out_dim: int,
+        *,
+        pose: PoseKind = "matrix",
+        dropout: float = 0.0,
+        layer_norm: bool = True,
+        agreement_scale: bool = True,
+        weight_shape: tuple[int, ...],
+        fan: int,
+    ) -> None:
+        super().__init__()
+        self.in_types, self.in_dim = in_types, in_dim
+        self.out_types, self.out_dim = out_types, out_dim
+        self.pose = pose
+        self.rows, self.cols_in = pose_shape(in_dim, pose)
+        if pose == "matrix":
+            if in_dim != out_dim:
+                raise ValueError(f"matrix poses keep their dim: got {in_dim} -> {out_dim}")
+            self.cols_out = self.cols_in
+        else:
+            self.cols_out = out_dim
+        self.scale = 1.0 / math.sqrt(out_dim) if agreement_scale else 1.0
+        self.weight = nn.Parameter(torch.empty(weight_shape))
+        # Authors' init: N(0, 1) * sqrt(M / (x * N)); x = s (matrix) or D_in (vector).
+        self._init_std = math.sqrt(out_types / (self.cols_in * fan))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.norm: nn.Module = nn.LayerNorm(out_dim) if layer_norm else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.normal_(0.0, self._init_std)
+        if isinstance(self.norm, nn.LayerNorm):
+            self.norm.reset_parameters()
+
+    def finish(self, s: Tensor) -> Tensor:
+        """Dropout then LayerNorm over the pose entries (last dim)."""
+        return self.norm(self.dropout(s))
+
+
+class FCCapsules(CapsuleLayer):
+    """Every child capsule votes for every parent. Weights ``W[n, x, m, c]``."""
+
+    def __init__(
+        self,
+        in_caps: int,
+        in_dim: int,
+        out_types: int,
+        out_dim: int,
+        **kw: object,
+    ) -> None:
+        a, x = pose_shape(in_dim, kw.get("pose", "matrix"))  # type: ignore[arg-type]
+        c = x if kw.get("pose", "matrix") == "matrix" else out_dim
+        super().__init__(
+            in_caps, in_dim, out_types, out_dim, weight_shape=(in_caps, x, out_types, c),
+            fan=in_caps, **kw,  # type: ignore[arg-type]
+        )
+
+    def _children(self, child: Tensor) -> Tensor:
+        b = child.shape[0]
+        flat = child.reshape(b, -1, self.in_dim)  # [b, n, d_in] (a grid flattens as (h, w, n))
+        if flat.shape[1] != self.in_types:
+            raise ValueError(
+                f"FC capsule layer expects {self.in_types} child capsules, got {flat.shape[1]}"
+                " (was the model built for another input size?)"
+            )
+        return flat
+
+    def uniform(self, child: Tensor) -> Tensor:
+        """First pass, every coefficient ``1/m``: one matrix product."""
+        x = self._children(child)
+        b = x.shape[0]
+        n, m, a = self.in_types, self.out_types, self.rows
+        xm = x.view(b, n, a, self.cols_in).transpose(1, 2)  # [b, a, n, x]
+        s = xm.reshape(b * a, n * self.cols_in) @ self.weight.view(n * self.cols_in, -1)  # [b*a, m*c]
+        s = s.view(b, a, m, self.cols_out).transpose(1, 2)  # [b, m, a, c]
+        s = s.reshape(b, m, self.out_dim) * (1.0 / m)  # [b, m, d]
+        return self.finish(s)
+
+    def route(self, child: Tensor, parent: Tensor) -> tuple[Tensor, Tensor]:
+        """Routed pass; returns new parent poses ``[b, m, d]`` and coefficients ``[b, n, m]``."""
+        x = self._children(child)
+        b = x.shape[0]
+        n, m, a = self.in_types, self.out_types, self.rows
+        xj = x.view(b, n, a, self.cols_in).permute(1, 0, 2, 3)  # [J=n, B=b, a, x]
+        p = parent.reshape(b, m, a, self.cols_out)  # [B=b, m, a, c]
+        s, r = routed_pass(xj, self.weight, p, self.scale)  # [b, m, a, c], [n, b, m]
+        return self.finish(s.reshape(b, m, self.out_dim)), r.permute(1, 0, 2)  # [b, n, m]
+
+    def uniform_coefficients(self, child: Tensor) -> Tensor:
+        b = child.shape[0]
+        return child.new_full((b, self.in_types, self.out_types), 1.0 / self.out_types)
+
+
+class ConvCapsules(CapsuleLayer):
+    """Parents on a grid; each sees the ``k x k`` window of all child types. No padding.
+
+    Weights ``W[k, l, n, x, m, c]``, shared over positions. Coefficients are normalized over
+    the parent types at each output position, separately for each window a child falls in
+    (the authors' behaviour).
+    """
+
+    def __init__(
+        self,
+        in_types: int,
+        in_dim: int,
+        out_types: int,
+        out_dim: int,
+        *,
+        kernel: int = 3,
+        stride: int = 1,
+        **kw: object,
+    ) -> None:
+        pose = kw.get("pose", "matrix")
+        a, x = pose_shape(in_dim, pose)  # type: ignore[arg-type]
+        c = x if pose == "matrix" else out_dim
+        self.kernel, self.stride = kernel, stride
+        super().__init__(
+            in_types, in_dim, out_types, out_dim,
+            weight_shape=(kernel, kernel, in_types, x, out_types, c),
+            fan=in_types * kernel * kernel, **kw,  # type: ignore[arg-type]
+        )
+
+    def out_size(self, size: int) -> int:
+        return (size - self.kernel) // self.stride + 1
+
+    def uniform(self, child: Tensor) -> Tensor:
+        """First pass: with every coefficient ``1/m`` the layer is a convolution per pose row."""
+        b, hh, ww, n, _ = child.shape
+        a, xd, m, c = self.rows, self.cols_in, self.out_types, self.cols_out
+        inp = child.view(b, hh, ww, n, a, xd).permute(0, 4, 3, 5, 1, 2)  # [b, a, n, x, H, W]
+        inp = inp.reshape(b * a, n * xd, hh, ww)  # [b*a, n*x, H, W]
+        k = self.kernel
+        wconv = self.weight.permute(4, 5, 2, 3, 0, 1).reshape(m * c, n * xd, k, k)  # [m*c, n*x, k, l]
+        y = F.conv2d(inp, wconv, stride=self.stride)  # [b*a, m*c, h, w]
+        h, w = y.shape[-2:]
+        y = y.view(b, a, m, c, h, w).permute(0, 4, 5, 2, 1, 3)  # [b, h, w, m, a, c]
+        s = y.reshape(b, h, w, m, self.out_dim) * (1.0 / m)  # [b, h, w, m, d]
+        return self.finish(s)
+
+    def _windows(self, child: Tensor) -> tuple[Tensor, int, int]:
+        """Child poses of every window as ``X[J=(k,l,n), B=(b,h,w), a, x]``."""
+        b, _, _, n, _ = child.shape
+        k, st = self.kernel, self.stride
+        win = child.unfold(1, k, st).unfold(2, k, st)  # [b, h, w, n, d, k, l]
+        h, w = win.shape[1], win.shape[2]
+        xj = win.permute(5, 6, 3, 0, 1, 2, 4)  # [k, l, n, b, h, w, d]
+        xj = xj.reshape(k * k * n, b * h * w, self.rows, self.cols_in)  # [J, B, a, x]
+        return xj, h, w
+
+    def route(self, child: Tensor, parent: Tensor) -> tuple[Tensor, Tensor]:
+        """Routed pass; returns parent poses ``[b, h, w, m, d]`` and coefficients
+        ``[b, h, w, k, l, n, m]``."""
+        b, n = child.shape[0], self.in_types
+        k, m = self.kernel, self.out_types
+        xj, h, w = self._windows(child)
+        wj = self.weight.reshape(k * k * n, self.cols_in, m, self.cols_out)  # [J, x, m, c]
+        p = parent.reshape(b * h * w, m, self.rows, self.cols_out)  # [B, m, a, c]
+        s, r = routed_pass(xj, wj, p, self.scale)  # [B, m, a, c], [J, B, m]
+        out = self.finish(s.reshape(b, h, w, m, self.out_dim))  # [b, h, w, m, d]
+        coeffs = r.view(k, k, n, b, h, w, m).permute(3, 4, 5, 0, 1, 2, 6)  # [b, h, w, k, l, n, m]
+        return out, coeffs
+
+    def uniform_coefficients(self, child: Tensor) -> Tensor:
+        b, hh, ww = child.shape[:3]
+        h, w = self.out_size(hh), self.out_size(ww)
+        k, n, m = self.kernel, self.in_types, self.out_types
+        return child.new_full((b, h, w, k, k, n, m), 1.0 / m)

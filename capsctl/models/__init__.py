@@ -1,0 +1,37 @@
+"""Models built from :class:`~capsctl.models.spec.ModelConfig` data."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from capsctl.models.spec import CapsLayerSpec, ModelConfig
+
+__all__ = ["CapsLayerSpec", "ModelConfig", "build_model_from_config", "param_groups"]
+
+
+def build_model_from_config(cfg: ModelConfig) -> nn.Module:
+    """Build a fresh (randomly initialized) model from its configuration."""
+    if cfg.arch == "capsnet":
+        from capsctl.models.capsnet import CapsNet
+
+        return CapsNet(cfg)
+    if cfg.arch == "cnn":
+        from capsctl.models.baselines import CNNBaseline
+
+        return CNNBaseline(cfg)
+    if cfg.arch == "resnet18":
+        from capsctl.models.baselines import cifar_resnet18
+
+        model = cifar_resnet18(cfg.num_classes, cfg.in_channels)
+        model.config = cfg  # type: ignore[assignment]
+        return model
+    raise ValueError(f"unknown arch {cfg.arch!r}")
+
+
+def param_groups(model: nn.Module) -> dict[str, int]:
+    """Total parameters, and the backbone/capsule split where the model has one."""
+    fn = getattr(model, "param_groups", None)
+    if callable(fn):
+        return fn()
+    total = sum(p.numel() for p in model.parameters())
+    return {"total": total, "backbone": total, "capsules": 0}

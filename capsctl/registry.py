@@ -1,0 +1,131 @@
+"""Registered models: a name maps to a :class:`ModelConfig`; builders turn configs into modules."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from capsctl.errors import ConfigError
+from capsctl.models.spec import CapsLayerSpec, ModelConfig
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    description: str
+    make: Callable[[], ModelConfig]
+
+
+_REGISTRY: dict[str, Entry] = {}
+
+
+def register(name: str, description: str) -> Callable[[Callable[[], ModelConfig]], Callable[[], ModelConfig]]:
+    def deco(fn: Callable[[], ModelConfig]) -> Callable[[], ModelConfig]:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} registered twice")
+        _REGISTRY[name] = Entry(name, description, fn)
+        return fn
+
+    return deco
+
+
+def _cifar_layers(dim: int) -> list[CapsLayerSpec]:
+    return [
+        CapsLayerSpec(kind="conv", types=32, pose_dim=dim, kernel=3, stride=2),
+        CapsLayerSpec(kind="conv", types=32, pose_dim=dim, kernel=3, stride=1),
+    ]
+
+
+def _caps10(backbone: str, arch: str = "capsnet") -> ModelConfig:
+    return ModelConfig(arch=arch, num_classes=10, backbone=backbone, primary_dim=16,  # type: ignore[arg-type]
+                       layers=_cifar_layers(16))
+
+
+def _caps100(backbone: str, arch: str = "capsnet") -> ModelConfig:
+    layers = _cifar_layers(36) + [CapsLayerSpec(kind="fc", types=20, pose_dim=36)]
+    return ModelConfig(arch=arch, num_classes=100, backbone=backbone, primary_dim=36,  # type: ignore[arg-type]
+                       layers=layers)
+
+
+for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
+    register(f"cifar10-caps{_suffix}", f"CIFAR-10 capsule net, {_bb} backbone, 4x4 poses, T=2 concurrent")(
+        lambda _bb=_bb: _caps10(_bb))
+    register(f"cifar100-caps{_suffix}", f"CIFAR-100 capsule net, {_bb} backbone, 6x6 poses, T=2 concurrent")(
+        lambda _bb=_bb: _caps100(_bb))
+    register(f"cifar10-cnn{_suffix}", f"CNN as wide as cifar10-caps{_suffix} ({_bb} backbone)")(
+        lambda _bb=_bb: _caps10(_bb, "cnn"))
+    register(f"cifar100-cnn{_suffix}", f"CNN as wide as cifar100-caps{_suffix} ({_bb} backbone)")(
+        lambda _bb=_bb: _caps100(_bb, "cnn"))
+
+
+@register("resnet18", "ResNet-18 with the CIFAR stem (3x3 stride-1 conv, no max-pool)")
+def _resnet18() -> ModelConfig:
+    return ModelConfig(arch="resnet18", num_classes=10)
+
+
+@register("mnist-caps", "small capsule net for 28x28 grayscale digits (simple backbone)")
+def _mnist_caps() -> ModelConfig:
+    return ModelConfig(
+        arch="capsnet", num_classes=10, in_channels=1, input_size=28, backbone="simple",
+        primary_types=16, primary_dim=16,
+        layers=[CapsLayerSpec(kind="conv", types=16, pose_dim=16, kernel=3, stride=2)],
+    )
+
+
+@register("mnist-cnn", "CNN as wide as mnist-caps")
+def _mnist_cnn() -> ModelConfig:
+    return _mnist_caps().replace(arch="cnn")
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    """Registered model names matching a shell-style pattern, sorted."""
+    return sorted(n for n in _REGISTRY if fnmatch.fnmatch(n, pattern))
+
+
+def describe_model(name: str) -> str:
+    return _entry(name).description
+
+
+def _entry(name: str) -> Entry:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(list_models())
+        raise ConfigError(f"unknown model {name!r}; registered models: {known}") from None
+
+
+def get_config(name: str, num_classes: int | None = None) -> ModelConfig:
+    """A fresh copy of a registered model's configuration."""
+    cfg = copy.deepcopy(_entry(name).make())
+    if num_classes is not None:
+        cfg = cfg.replace(num_classes=num_classes)
+    return cfg
+
+
+def resolve_config(spec: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None) -> ModelConfig:
+    """A name, a config or a mapping (validated; may hold ``base: <name>``) -> ModelConfig."""
+    if isinstance(spec, ModelConfig):
+        cfg = copy.deepcopy(spec)
+    elif isinstance(spec, str):
+        cfg = get_config(spec)
+    else:
+        from capsctl.config import model_from_mapping
+
+        cfg = model_from_mapping(dict(spec), path="model")
+    if num_classes is not None:
+        cfg = cfg.replace(num_classes=num_classes)
+    return cfg
+
+
+def build_model(name_or_config: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None):  # noqa: ANN201
+    """Build a model from a registered name, a :class:`ModelConfig` or a mapping.
+
+    >>> model = build_model("cifar10-caps")          # doctest: +SKIP
+    >>> model = build_model("resnet18", num_classes=100)  # doctest: +SKIP
+    """
+    from capsctl.models import build_model_from_config
+
+    return build_model_from_config(resolve_config(name_or_config, num_classes))
