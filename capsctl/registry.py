@@ -22,7 +22,9 @@ class Entry:
 _REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, description: str) -> Callable[[Callable[[], ModelConfig]], Callable[[], ModelConfig]]:
+def register(
+    name: str, description: str
+) -> Callable[[Callable[[], ModelConfig]], Callable[[], ModelConfig]]:
     def deco(fn: Callable[[], ModelConfig]) -> Callable[[], ModelConfig]:
         if name in _REGISTRY:
             raise ValueError(f"model {name!r} registered twice")
@@ -40,25 +42,40 @@ def _cifar_layers(dim: int) -> list[CapsLayerSpec]:
 
 
 def _caps10(backbone: str, arch: str = "capsnet") -> ModelConfig:
-    return ModelConfig(arch=arch, num_classes=10, backbone=backbone, primary_dim=16,  # type: ignore[arg-type]
-                       layers=_cifar_layers(16))
+    return ModelConfig(
+        arch=arch,
+        num_classes=10,
+        backbone=backbone,
+        primary_dim=16,  # type: ignore[arg-type]
+        layers=_cifar_layers(16),
+    )
 
 
 def _caps100(backbone: str, arch: str = "capsnet") -> ModelConfig:
     layers = _cifar_layers(36) + [CapsLayerSpec(kind="fc", types=20, pose_dim=36)]
-    return ModelConfig(arch=arch, num_classes=100, backbone=backbone, primary_dim=36,  # type: ignore[arg-type]
-                       layers=layers)
+    return ModelConfig(
+        arch=arch,
+        num_classes=100,
+        backbone=backbone,
+        primary_dim=36,  # type: ignore[arg-type]
+        layers=layers,
+    )
 
 
 for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
-    register(f"cifar10-caps{_suffix}", f"CIFAR-10 capsule net, {_bb} backbone, 4x4 poses, T=2 concurrent")(
-        lambda _bb=_bb: _caps10(_bb))
-    register(f"cifar100-caps{_suffix}", f"CIFAR-100 capsule net, {_bb} backbone, 6x6 poses, T=2 concurrent")(
-        lambda _bb=_bb: _caps100(_bb))
+    register(
+        f"cifar10-caps{_suffix}", f"CIFAR-10 capsule net, {_bb} backbone, 4x4 poses, T=2 concurrent"
+    )(lambda _bb=_bb: _caps10(_bb))
+    register(
+        f"cifar100-caps{_suffix}",
+        f"CIFAR-100 capsule net, {_bb} backbone, 6x6 poses, T=2 concurrent",
+    )(lambda _bb=_bb: _caps100(_bb))
     register(f"cifar10-cnn{_suffix}", f"CNN as wide as cifar10-caps{_suffix} ({_bb} backbone)")(
-        lambda _bb=_bb: _caps10(_bb, "cnn"))
+        lambda _bb=_bb: _caps10(_bb, "cnn")
+    )
     register(f"cifar100-cnn{_suffix}", f"CNN as wide as cifar100-caps{_suffix} ({_bb} backbone)")(
-        lambda _bb=_bb: _caps100(_bb, "cnn"))
+        lambda _bb=_bb: _caps100(_bb, "cnn")
+    )
 
 
 @register("resnet18", "ResNet-18 with the CIFAR stem (3x3 stride-1 conv, no max-pool)")
@@ -69,8 +86,13 @@ def _resnet18() -> ModelConfig:
 @register("mnist-caps", "small capsule net for 28x28 grayscale digits (simple backbone)")
 def _mnist_caps() -> ModelConfig:
     return ModelConfig(
-        arch="capsnet", num_classes=10, in_channels=1, input_size=28, backbone="simple",
-        primary_types=16, primary_dim=16,
+        arch="capsnet",
+        num_classes=10,
+        in_channels=1,
+        input_size=28,
+        backbone="simple",
+        primary_types=16,
+        primary_dim=16,
         layers=[CapsLayerSpec(kind="conv", types=16, pose_dim=16, kernel=3, stride=2)],
     )
 
@@ -105,7 +127,9 @@ def get_config(name: str, num_classes: int | None = None) -> ModelConfig:
     return cfg
 
 
-def resolve_config(spec: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None) -> ModelConfig:
+def resolve_config(
+    spec: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None
+) -> ModelConfig:
     """A name, a config or a mapping (validated; may hold ``base: <name>``) -> ModelConfig."""
     if isinstance(spec, ModelConfig):
         cfg = copy.deepcopy(spec)
@@ -120,7 +144,9 @@ def resolve_config(spec: str | ModelConfig | Mapping[str, Any], num_classes: int
     return cfg
 
 
-def build_model(name_or_config: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None):  # noqa: ANN201
+def build_model(
+    name_or_config: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None
+):  # noqa: ANN201
     """Build a model from a registered name, a :class:`ModelConfig` or a mapping.
 
     >>> model = build_model("cifar10-caps")          # doctest: +SKIP

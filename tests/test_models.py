@@ -33,8 +33,14 @@ def test_backbone_split() -> None:
 
 def test_registry_lists_required_models() -> None:
     names = capsctl.list_models()
-    for required in ("cifar10-caps", "cifar10-caps-simple", "cifar100-caps", "resnet18", "cifar10-cnn",
-                     "cifar10-cnn-simple"):
+    for required in (
+        "cifar10-caps",
+        "cifar10-caps-simple",
+        "cifar100-caps",
+        "resnet18",
+        "cifar10-cnn",
+        "cifar10-cnn-simple",
+    ):
         assert required in names
     assert list_models("cifar100-*") == [n for n in names if n.startswith("cifar100-")]
 
@@ -84,7 +90,9 @@ def test_eval_output_is_independent_of_the_batch(routing: str) -> None:
 @pytest.mark.parametrize("size", [28, 32, 36, 64])
 @pytest.mark.parametrize("channels", [1, 3])
 def test_input_sizes_and_channels(size: int, channels: int) -> None:
-    cfg = resolve_config({"base": "cifar10-caps-simple", "input_size": size, "in_channels": channels})
+    cfg = resolve_config(
+        {"base": "cifar10-caps-simple", "input_size": size, "in_channels": channels}
+    )
     model = capsctl.build_model(cfg).eval()
     with torch.no_grad():
         out = model(torch.randn(1, channels, size, size))

@@ -47,7 +47,9 @@ def naive_fc(layer: FCCapsules, child: torch.Tensor, parent: torch.Tensor | None
             if parent is None:
                 r = [1.0 / m] * m
             else:
-                logits = torch.stack([(parent[bi, j] * votes[j]).sum() * layer.scale for j in range(m)])
+                logits = torch.stack(
+                    [(parent[bi, j] * votes[j]).sum() * layer.scale for j in range(m)]
+                )
                 r = list(torch.softmax(logits, 0))
             for j in range(m):
                 coeff[bi, i, j] = r[j]
@@ -71,12 +73,18 @@ def naive_conv(layer: ConvCapsules, child: torch.Tensor, parent: torch.Tensor | 
                     for li in range(k):
                         for i in range(n):
                             pose = child[bi, y * st + ki, x * st + li, i]
-                            votes = [_vote(pose, layer.weight[ki, li, i, :, j, :], layer.pose) for j in range(m)]
+                            votes = [
+                                _vote(pose, layer.weight[ki, li, i, :, j, :], layer.pose)
+                                for j in range(m)
+                            ]
                             if parent is None:
                                 r = [1.0 / m] * m
                             else:
                                 logits = torch.stack(
-                                    [(parent[bi, y, x, j] * votes[j]).sum() * layer.scale for j in range(m)]
+                                    [
+                                        (parent[bi, y, x, j] * votes[j]).sum() * layer.scale
+                                        for j in range(m)
+                                    ]
                                 )
                                 r = list(torch.softmax(logits, 0))
                             for j in range(m):
@@ -103,9 +111,16 @@ def test_fc_layer_matches_naive(pose: str, din: int, dout: int) -> None:
 
 @pytest.mark.parametrize(
     "pose,din,dout,k,stride,size",
-    [("matrix", 4, 4, 3, 2, 7), ("matrix", 4, 4, 2, 1, 4), ("vector", 3, 2, 3, 1, 5), ("vector", 2, 4, 1, 1, 3)],
+    [
+        ("matrix", 4, 4, 3, 2, 7),
+        ("matrix", 4, 4, 2, 1, 4),
+        ("vector", 3, 2, 3, 1, 5),
+        ("vector", 2, 4, 1, 1, 3),
+    ],
 )
-def test_conv_layer_matches_naive(pose: str, din: int, dout: int, k: int, stride: int, size: int) -> None:
+def test_conv_layer_matches_naive(
+    pose: str, din: int, dout: int, k: int, stride: int, size: int
+) -> None:
     torch.manual_seed(1)
     layer = ConvCapsules(3, din, 2, dout, kernel=k, stride=stride, pose=pose).double()
     _randomize_norm(layer)
@@ -163,17 +178,26 @@ def test_conv_layer_gradcheck() -> None:
 # Whole models against a naive schedule
 
 
-def tiny_config(pose: str = "matrix", iterations: int = 2, routing: str = "concurrent") -> ModelConfig:
+def tiny_config(
+    pose: str = "matrix", iterations: int = 2, routing: str = "concurrent"
+) -> ModelConfig:
     dim = 4 if pose == "matrix" else 3
     return ModelConfig(
-        arch="capsnet", num_classes=3, in_channels=1, input_size=10, backbone="simple",
-        primary_types=2, primary_dim=4,
+        arch="capsnet",
+        num_classes=3,
+        in_channels=1,
+        input_size=10,
+        backbone="simple",
+        primary_types=2,
+        primary_dim=4,
         layers=[
             CapsLayerSpec(kind="conv", types=2, pose_dim=4, kernel=3, stride=1, pose="matrix"),
             CapsLayerSpec(kind="conv", types=2, pose_dim=dim, kernel=2, stride=1, pose=pose),
             CapsLayerSpec(kind="fc", types=2, pose_dim=dim, pose=pose),
         ],
-        class_pose=pose, iterations=iterations, routing=routing,  # type: ignore[arg-type]
+        class_pose=pose,
+        iterations=iterations,
+        routing=routing,  # type: ignore[arg-type]
     )
 
 

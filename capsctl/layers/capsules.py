@@ -120,8 +120,13 @@ class FCCapsules(CapsuleLayer):
         a, x = pose_shape(in_dim, kw.get("pose", "matrix"))  # type: ignore[arg-type]
         c = x if kw.get("pose", "matrix") == "matrix" else out_dim
         super().__init__(
-            in_caps, in_dim, out_types, out_dim, weight_shape=(in_caps, x, out_types, c),
-            fan=in_caps, **kw,  # type: ignore[arg-type]
+            in_caps,
+            in_dim,
+            out_types,
+            out_dim,
+            weight_shape=(in_caps, x, out_types, c),
+            fan=in_caps,
+            **kw,  # type: ignore[arg-type]
         )
 
     def _children(self, child: Tensor) -> Tensor:
@@ -140,7 +145,9 @@ class FCCapsules(CapsuleLayer):
         b = x.shape[0]
         n, m, a = self.in_types, self.out_types, self.rows
         xm = x.view(b, n, a, self.cols_in).transpose(1, 2)  # [b, a, n, x]
-        s = xm.reshape(b * a, n * self.cols_in) @ self.weight.view(n * self.cols_in, -1)  # [b*a, m*c]
+        s = xm.reshape(b * a, n * self.cols_in) @ self.weight.view(
+            n * self.cols_in, -1
+        )  # [b*a, m*c]
         s = s.view(b, a, m, self.cols_out).transpose(1, 2)  # [b, m, a, c]
         s = s.reshape(b, m, self.out_dim) * (1.0 / m)  # [b, m, d]
         return self.finish(s)
@@ -184,9 +191,13 @@ class ConvCapsules(CapsuleLayer):
         c = x if pose == "matrix" else out_dim
         self.kernel, self.stride = kernel, stride
         super().__init__(
-            in_types, in_dim, out_types, out_dim,
+            in_types,
+            in_dim,
+            out_types,
+            out_dim,
             weight_shape=(kernel, kernel, in_types, x, out_types, c),
-            fan=in_types * kernel * kernel, **kw,  # type: ignore[arg-type]
+            fan=in_types * kernel * kernel,
+            **kw,  # type: ignore[arg-type]
         )
 
     def out_size(self, size: int) -> int:
@@ -199,7 +210,9 @@ class ConvCapsules(CapsuleLayer):
         inp = child.view(b, hh, ww, n, a, xd).permute(0, 4, 3, 5, 1, 2)  # [b, a, n, x, H, W]
         inp = inp.reshape(b * a, n * xd, hh, ww)  # [b*a, n*x, H, W]
         k = self.kernel
-        wconv = self.weight.permute(4, 5, 2, 3, 0, 1).reshape(m * c, n * xd, k, k)  # [m*c, n*x, k, l]
+        wconv = self.weight.permute(4, 5, 2, 3, 0, 1).reshape(
+            m * c, n * xd, k, k
+        )  # [m*c, n*x, k, l]
         y = F.conv2d(inp, wconv, stride=self.stride)  # [b*a, m*c, h, w]
         h, w = y.shape[-2:]
         y = y.view(b, a, m, c, h, w).permute(0, 4, 5, 2, 1, 3)  # [b, h, w, m, a, c]

@@ -8,7 +8,9 @@ from torchvision.models.resnet import BasicBlock
 
 def simple_backbone(in_channels: int, width: int = 128) -> nn.Sequential:
     """Conv(in -> 128, k3, s2, p1) + ReLU: halves the grid."""
-    return nn.Sequential(nn.Conv2d(in_channels, width, 3, stride=2, padding=1), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3, stride=2, padding=1), nn.ReLU(inplace=True)
+    )
 
 
 def resnet_backbone(in_channels: int) -> nn.Sequential:

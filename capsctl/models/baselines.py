@@ -38,7 +38,8 @@ class CNNBaseline(nn.Module):
         width = cfg.primary_types * cfg.primary_dim
         self.primary = nn.Sequential(
             nn.Conv2d(BACKBONE_CHANNELS[cfg.backbone], width, 1, bias=False),
-            nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
         )
         convs: list[nn.Module] = []
         fcs: list[nn.Module] = []
@@ -47,8 +48,11 @@ class CNNBaseline(nn.Module):
             spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
             out = spec.types * spec.pose_dim
             if spec.kind == "conv":
-                convs += [nn.Conv2d(width, out, spec.kernel, stride=spec.stride, bias=False),
-                          nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+                convs += [
+                    nn.Conv2d(width, out, spec.kernel, stride=spec.stride, bias=False),
+                    nn.BatchNorm2d(out),
+                    nn.ReLU(inplace=True),
+                ]
                 width = out
             else:
                 grid = item["in_grid"]

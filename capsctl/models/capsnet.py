@@ -36,14 +36,19 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
     """
     size = backbone_grid(cfg.backbone, cfg.input_size)
     if size < 1:
-        raise ConfigError(f"model.input_size: {cfg.input_size} leaves no feature grid; use a larger input")
+        raise ConfigError(
+            f"model.input_size: {cfg.input_size} leaves no feature grid; use a larger input"
+        )
     types, dim, kind = cfg.primary_types, cfg.primary_dim, "conv"
     plan: list[dict[str, object]] = []
     class_dim = cfg.class_pose_dim
     specs = list(cfg.layers) + [
         CapsLayerSpec(
-            kind="fc", types=cfg.num_classes,
-            pose_dim=class_dim if class_dim is not None else (cfg.layers[-1].pose_dim if cfg.layers else cfg.primary_dim),
+            kind="fc",
+            types=cfg.num_classes,
+            pose_dim=class_dim
+            if class_dim is not None
+            else (cfg.layers[-1].pose_dim if cfg.layers else cfg.primary_dim),
             pose=cfg.class_pose,
         )
     ]
@@ -53,7 +58,9 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
             try:
                 pose_shape(dim, "matrix")
             except ValueError:
-                raise ConfigError(f"{where}: matrix poses need a square input pose dim, got {dim}") from None
+                raise ConfigError(
+                    f"{where}: matrix poses need a square input pose dim, got {dim}"
+                ) from None
             if spec.pose_dim != dim:
                 raise ConfigError(
                     f"{where}.pose_dim: matrix poses keep their dim ({dim}); use pose: vector to change it"
@@ -71,8 +78,16 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
             size = out
         else:
             n_in = types * size * size if kind == "conv" else types
-            plan.append(dict(spec=spec, in_types=n_in, in_dim=dim, in_grid=size if kind == "conv" else None,
-                             child_types=types, out_grid=None))
+            plan.append(
+                dict(
+                    spec=spec,
+                    in_types=n_in,
+                    in_dim=dim,
+                    in_grid=size if kind == "conv" else None,
+                    child_types=types,
+                    out_grid=None,
+                )
+            )
             kind = "fc"
         types, dim = spec.types, spec.pose_dim
     return plan
@@ -95,24 +110,43 @@ class CapsNet(nn.Module):
         self.routing = cfg.routing
         self.backbone = build_backbone(cfg.backbone, cfg.in_channels)
         self.primary = PrimaryCapsules(
-            BACKBONE_CHANNELS[cfg.backbone], cfg.primary_types, cfg.primary_dim, layer_norm=cfg.layer_norm
+            BACKBONE_CHANNELS[cfg.backbone],
+            cfg.primary_types,
+            cfg.primary_dim,
+            layer_norm=cfg.layer_norm,
         )
-        common = dict(dropout=cfg.dropout, layer_norm=cfg.layer_norm, agreement_scale=cfg.agreement_scale)
+        common = dict(
+            dropout=cfg.dropout, layer_norm=cfg.layer_norm, agreement_scale=cfg.agreement_scale
+        )
         layers: list[nn.Module] = []
         self._child_grids: list[tuple[int, int, int] | None] = []
         for item in plan_layers(cfg):
             spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
             if spec.kind == "conv":
-                layers.append(ConvCapsules(
-                    item["in_types"], item["in_dim"], spec.types, spec.pose_dim,  # type: ignore[arg-type]
-                    kernel=spec.kernel, stride=spec.stride, pose=spec.pose, **common,
-                ))
+                layers.append(
+                    ConvCapsules(
+                        item["in_types"],
+                        item["in_dim"],
+                        spec.types,
+                        spec.pose_dim,  # type: ignore[arg-type]
+                        kernel=spec.kernel,
+                        stride=spec.stride,
+                        pose=spec.pose,
+                        **common,
+                    )
+                )
                 self._child_grids.append(None)
             else:
-                layers.append(FCCapsules(
-                    item["in_types"], item["in_dim"], spec.types, spec.pose_dim,  # type: ignore[arg-type]
-                    pose=spec.pose, **common,
-                ))
+                layers.append(
+                    FCCapsules(
+                        item["in_types"],
+                        item["in_dim"],
+                        spec.types,
+                        spec.pose_dim,  # type: ignore[arg-type]
+                        pose=spec.pose,
+                        **common,
+                    )
+                )
                 g = item["in_grid"]
                 self._child_grids.append((g, g, item["child_types"]) if g is not None else None)  # type: ignore[arg-type]
         self.capsules = nn.ModuleList(layers)
@@ -195,8 +229,9 @@ def describe(cfg: ModelConfig) -> str:
     for item in plan:
         spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
         if spec.kind == "conv":
-            parts.append(f"conv {spec.types}x{spec.pose_dim} k{spec.kernel}s{spec.stride} -> {item['out_grid']}x{item['out_grid']}")
+            parts.append(
+                f"conv {spec.types}x{spec.pose_dim} k{spec.kernel}s{spec.stride} -> {item['out_grid']}x{item['out_grid']}"
+            )
         else:
             parts.append(f"fc {item['in_types']}->{spec.types}")
     return ", ".join(parts) + f"; T={cfg.iterations} {cfg.routing}"
-

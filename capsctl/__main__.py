@@ -1,0 +1,3 @@
+from capsctl.cli import main
+
+main()

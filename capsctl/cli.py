@@ -1,0 +1,302 @@
+"""The ``capsctl`` command line: parse, call one core function, render.
+
+torch is imported only inside commands, so ``capsctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from capsctl import __version__
+from capsctl.errors import CapsctlError, UsageError
+
+app = typer.Typer(
+    name="capsctl",
+    help="Capsule networks with inverted dot-product attention routing (Tsai et al., ICLR 2020).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+_state = {"debug": False}
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout and nothing else.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"capsctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks (also CAPSCTL_DEBUG=1).")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    _state["debug"] = debug or os.environ.get("CAPSCTL_DEBUG", "") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# models, presets
+
+
+@app.command("models")
+def models_cmd(
+    pattern: Annotated[str, typer.Argument(help="Shell-style filter, e.g. 'cifar10-*'.")] = "*",
+    json_out: JsonOpt = False,
+) -> None:
+    """List registered models with their parameter counts."""
+    from capsctl import render
+    from capsctl.models import build_model_from_config, param_groups
+    from capsctl.models.capsnet import describe
+    from capsctl.registry import describe_model, get_config, list_models
+
+    rows = []
+    for name in list_models(pattern):
+        cfg = get_config(name)
+        groups = param_groups(build_model_from_config(cfg))
+        arch = describe(cfg) if cfg.arch == "capsnet" else cfg.arch
+        rows.append({"name": name, "description": describe_model(name), "arch": cfg.arch,
+                     "structure": arch, "params": groups, "num_classes": cfg.num_classes,
+                     "input": [cfg.in_channels, cfg.input_size, cfg.input_size]})
+    if not rows:
+        raise UsageError(f"no registered model matches {pattern!r}; run capsctl models")
+    if json_out:
+        render.print_json({"models": rows})
+        return
+    render.out.print(render.table(
+        "Registered models", ["name", "params", "backbone", "capsules", "classes", "input", "description"],
+        [[r["name"], render.fmt_int(r["params"]["total"]), render.fmt_int(r["params"]["backbone"]),
+          render.fmt_int(r["params"]["capsules"]), r["num_classes"], "x".join(map(str, r["input"])),
+          r["description"]] for r in rows],
+        right=(1, 2, 3, 4)))
+
+
+@app.command("presets")
+def presets_cmd(json_out: JsonOpt = False) -> None:
+    """List the bundled presets."""
+    from capsctl import render
+    from capsctl.config import list_presets
+
+    items = list_presets()
+    if json_out:
+        render.print_json({"presets": [{"name": n, "description": d} for n, d in items]})
+        return
+    render.out.print(render.table("Presets (capsctl train --preset NAME)", ["name", "description"], items))
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+
+
+@app.command("train")
+def train_cmd(
+    preset: Annotated[str | None, typer.Option("--preset", "-p", help="Preset name or YAML file.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Number of epochs.")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="Training batch size.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Base learning rate.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda or mps.")] = None,
+    data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where datasets live "
+                                                  "(default: $CAPSCTL_DATA, else a per-user cache).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Run folder (default runs/<preset>).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="Deterministic algorithms.")] = False,
+    workers: Annotated[int | None, typer.Option(help="Data workers (batches are built on the device; "
+                                                "kept for compatibility).")] = None,
+    amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the model.")] = False,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Continue from a last.safetensors.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a run already in --out.")] = False,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override any preset field, e.g. "
+                                                    "--set train.lr=0.05 (repeatable).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train a model from a preset; writes best/last.safetensors, metrics.jsonl and preset.yaml."""
+    from capsctl import render
+    from capsctl.config import load_preset, preset_from_dict, preset_to_dict
+
+    overrides = list(set_ or [])
+    flag_map: dict[str, Any] = {"train.epochs": epochs, "train.batch_size": batch_size, "train.lr": lr,
+                                "train.device": device, "data.data_dir": data_dir, "train.seed": seed,
+                                "train.workers": workers}
+    flag_map.update({"train.deterministic": True if deterministic else None, "train.amp": True if amp else None,
+                     "train.compile": True if compile_ else None})
+    flags = [f"{k}={_yaml_scalar(v)}" for k, v in flag_map.items() if v is not None]
+    if resume is not None:
+        from capsctl.config import apply_overrides
+        from capsctl.engine import load_resume_preset
+
+        if not resume.exists():
+            raise UsageError(f"--resume {resume}: no such file")
+        base = load_resume_preset(resume)
+        p = preset_from_dict(apply_overrides(preset_to_dict(base), overrides + flags))
+        run_dir = out or resume.parent
+    else:
+        if preset is None:
+            raise UsageError("missing --preset NAME|FILE (see capsctl presets), or --resume CKPT")
+        p = load_preset(preset, overrides + flags)
+        run_dir = out or Path("runs") / (p.name or Path(preset).stem)
+
+    from capsctl.engine import fit
+
+    with render.TrainProgress(quiet=json_out) as progress:
+        result = fit(p, run_dir, resume=resume, overwrite=overwrite, on_event=progress)
+    if json_out:
+        render.print_json(result.to_dict())
+        return
+    test = result.test
+    render.out.print(f"run folder: {result.out_dir}")
+    if result.best_val_accuracy is not None:
+        render.out.print(f"best validation accuracy {render.fmt_pct(result.best_val_accuracy)} "
+                         f"(epoch {result.best_epoch})")
+    if test is not None:
+        render.out.print(f"test accuracy {render.fmt_pct(test.accuracy)} on {test.count:,} images "
+                         f"({test.dataset}), top-5 {render.fmt_pct(test.top5)}, loss {test.loss:.4f}")
+    render.out.print(f"time {result.seconds:.1f} s")
+
+
+def _yaml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval
+
+
+@app.command("eval")
+def eval_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="A capsctl .safetensors checkpoint.")],
+    data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where datasets live.")] = None,
+    split: Annotated[str, typer.Option(help="val or test.")] = "test",
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    test_file: Annotated[str | None, typer.Option("--test-file", help="Test file of an npz folder "
+                                                  "(e.g. test-jpeg).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Evaluate a checkpoint: top-1/top-5, per-class accuracy, confusion matrix, loss, speed."""
+    from capsctl import render
+    from capsctl.engine import evaluate_checkpoint
+
+    if not ckpt.exists():
+        raise UsageError(f"{ckpt}: no such file")
+    with render.simple_progress("eval", quiet=json_out) as on_event:
+        res, meta = evaluate_checkpoint(ckpt, data_dir=data_dir, split=split, batch_size=batch_size,
+                                        device=device, test_file=test_file, on_event=on_event)
+    if json_out:
+        render.print_json({"checkpoint": str(ckpt), "epoch": meta.get("epoch"), **res.to_dict()})
+        return
+    render.out.print(f"[bold]{ckpt}[/]  epoch {meta.get('epoch')}  {res.split} split of {res.dataset}: "
+                     f"{res.count:,} images")
+    render.out.print(f"top-1 {render.fmt_pct(res.accuracy)}  top-5 {render.fmt_pct(res.top5)}  "
+                     f"loss {res.loss:.4f}  {res.images_per_s:.0f} images/s")
+    n = len(res.classes)
+    short = [c[:6] for c in res.classes]
+    rows = [[res.classes[i], render.fmt_pct(res.per_class[i], 1), sum(res.confusion[i]),
+             *res.confusion[i]] for i in range(n)]
+    if n <= 20:
+        render.out.print(render.table("Per-class accuracy and confusion matrix (rows: true, columns: predicted)",
+                                      ["class", "acc", "n", *short], rows, right=tuple(range(1, n + 3))))
+    else:
+        render.out.print(render.table("Per-class accuracy", ["class", "acc", "n"], [r[:3] for r in rows],
+                                      right=(1, 2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+@app.command("bench")
+def bench_cmd(
+    models: Annotated[list[str], typer.Argument(help="Registered model names (see capsctl models).")],
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = 32,
+    iters: Annotated[int, typer.Option(help="Timed steps per model (median reported).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up steps.")] = 1,
+    train: Annotated[bool, typer.Option("--train", help="Only the training step.")] = False,
+    infer: Annotated[bool, typer.Option("--infer", help="Only inference.")] = False,
+    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    iterations: Annotated[int | None, typer.Option(help="Override T of capsule models.")] = None,
+    routing: Annotated[str | None, typer.Option(help="Override routing: concurrent or sequential.")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Median training-step time, inference images/s and peak memory per model, in one process."""
+    from capsctl import render
+    from capsctl.bench import rows_to_json, run_bench
+
+    if train and infer:
+        raise UsageError("--train and --infer exclude each other; give neither to measure both")
+    with render.simple_progress("bench", quiet=json_out) as on_event:
+        rows = run_bench(models, batch_size=batch_size, iters=iters, warmup=warmup, train=not infer,
+                         infer=not train, device=device, iterations=iterations, routing=routing,
+                         threads=threads, on_event=on_event)
+    if json_out:
+        render.print_json(rows_to_json(rows, {"iters": iters}))
+        return
+    ref = any(r.name == "resnet18" for r in rows)
+    cols = ["model", "params", "T", "routing", "train step", "min", "infer img/s", "peak mem"]
+    if ref:
+        cols += ["train vs resnet18", "infer vs resnet18"]
+    body = []
+    for r in rows:
+        row = [r.name, render.fmt_int(r.params), r.iterations or "-", r.routing or "-",
+               render.fmt_s(r.train_step_s), render.fmt_s(r.train_step_min_s),
+               "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
+               render.fmt_bytes(r.peak_device_bytes if r.peak_device_bytes is not None else r.peak_rss_bytes)]
+        if ref:
+            row += [render.fmt_ratio(r.train_ratio), render.fmt_ratio(r.infer_ratio)]
+        body.append(row)
+    import torch
+
+    title = (f"capsctl bench  device {rows[0].device}  batch {batch_size}  {iters} timed steps  "
+             f"{torch.get_num_threads()} threads  torch {torch.__version__}")
+    render.out.print(render.table(title, cols, body, right=(1, 2, 4, 5, 6, 7, 8, 9)))
+    render.note("peak mem: resident memory of the whole process while the model ran (device memory on GPU)")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: one-line errors on stderr with exit code 1 (usage 2); --debug shows tracebacks."""
+    debug_flag = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        app(args=argv, standalone_mode=False)
+    except CapsctlError as e:
+        if _state["debug"] or debug_flag:
+            raise
+        from capsctl import render
+
+        render.error(str(e))
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        if _state["debug"] or debug_flag:
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # click usage errors carry their own exit code
+        code = getattr(e, "exit_code", None)
+        if code is not None and hasattr(e, "show"):
+            e.show()
+            sys.exit(code)
+        if _state["debug"] or debug_flag:
+            raise
+        from capsctl import render
+
+        render.error(f"{type(e).__name__}: {e} (run with --debug for the traceback)")
+        sys.exit(1)

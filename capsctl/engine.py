@@ -1,0 +1,771 @@
+"""Training and evaluation. Returns results and emits progress events; never prints.
+
+Data flow of :func:`fit`: preset -> datasets (train split into train/val, test kept apart) ->
+model -> optimizer, per-step LR schedule, optional EMA -> epochs. After each epoch the run folder
+gets ``last.safetensors`` (weights and everything needed to resume) and, when validation accuracy
+improved, ``best.safetensors``; ``metrics.jsonl`` gets one line. At the end the best weights are
+evaluated once on the test split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from capsctl import __version__
+from capsctl.checkpoint import (
+    capture_rng_state,
+    load_tensors,
+    model_tensors,
+    pack_training_state,
+    read_metadata,
+    restore_rng_state,
+    save_checkpoint,
+    unpack_training_state,
+)
+from capsctl.config import Preset, dump_yaml, preset_from_dict, preset_to_dict
+from capsctl.errors import CapsctlError, CheckpointError, ConfigError, UsageError
+
+Event = dict[str, Any]
+EventFn = Callable[[Event], None] | None
+
+LAST = "last.safetensors"
+BEST = "best.safetensors"
+METRICS = "metrics.jsonl"
+RESOLVED_PRESET = "preset.yaml"
+
+
+def _emit(on_event: EventFn, event: str, **fields: Any) -> None:
+    if on_event is not None:
+        on_event({"event": event, **fields})
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda, then mps, then cpu. An unavailable device is a usage error."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps: no MPS device is available here; use --device cpu")
+    if name not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {name}: expected auto, cpu, cuda or mps")
+    return torch.device(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass
+class RunData:
+    train: Any  # ArrayDataset
+    val: Any | None
+    test: Any
+    classes: list[str]
+    mean: list[float]
+    std: list[float]
+    fingerprint: str
+    test_name: str
+
+
+def prepare_data(preset: Preset, on_event: EventFn = None, *, need_train: bool = True) -> RunData:
+    """Load the preset's dataset, hold out the seeded validation split, keep test apart."""
+    from capsctl.data import fingerprint, load_dataset, normalization_for, split_train_val
+
+    d = preset.data
+    full = load_dataset(d.dataset, "train", d.data_dir, download=d.download, on_event=on_event)
+    test = load_dataset(
+        d.dataset, "test", d.data_dir, test_file=d.test_file, download=d.download, on_event=on_event
+    )
+    if d.val_size >= len(full):
+        raise ConfigError(
+            f"data.val_size: {d.val_size} leaves no training images (train has {len(full)})"
+        )
+    if d.val_size > 0:
+        train, val = split_train_val(full, d.val_size, preset.train.seed)
+    else:
+        train, val = full, None
+    channels = int(full.images.shape[1])
+    mean, std = normalization_for(d.normalization, channels)
+    m = preset.model
+    size = int(full.images.shape[-1])
+    if channels != m.in_channels:
+        raise ConfigError(
+            f"model.in_channels: {m.in_channels}, but {d.dataset} images have {channels} channels"
+        )
+    if size != m.input_size:
+        raise ConfigError(
+            f"model.input_size: {m.input_size}, but {d.dataset} images are {size}x{size}"
+        )
+    if len(full.classes) != m.num_classes:
+        raise ConfigError(
+            f"model.num_classes: {m.num_classes}, but {d.dataset} has {len(full.classes)} classes"
+        )
+    return RunData(
+        train, val, test, list(full.classes), list(mean), list(std), fingerprint(full), test.name
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@dataclass
+class EvalResult:
+    split: str
+    dataset: str
+    count: int
+    loss: float
+    accuracy: float  # top-1, micro (fraction of images)
+    top5: float
+    per_class: list[float]
+    confusion: list[list[int]]  # rows: true class, columns: predicted class
+    classes: list[str]
+    images_per_s: float
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    ds: Any,
+    *,
+    batch_size: int,
+    device: torch.device,
+    mean: list[float],
+    std: list[float],
+    classes: list[str],
+    split: str = "test",
+    amp: bool = False,
+    on_event: EventFn = None,
+) -> EvalResult:
+    """Top-1/top-5 accuracy, loss, per-class accuracy and confusion matrix over ``ds``."""
+    from capsctl.data import Loader
+
+    loader = Loader(ds, batch_size, shuffle=False, device=device, mean=mean, std=std)
+    model.eval()
+    n_cls = len(classes)
+    confusion = torch.zeros(n_cls, n_cls, dtype=torch.int64)
+    loss_sum, top5_hits, count = 0.0, 0, 0
+    t0 = time.perf_counter()
+    for step, (x, y) in enumerate(loader):
+        with _autocast(device, amp):
+            logits = model(x)
+        logits = logits.float()
+        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        pred = logits.argmax(1)
+        k = min(5, n_cls)
+        top5_hits += int((logits.topk(k, 1).indices == y[:, None]).any(1).sum())
+        confusion += torch.bincount((y * n_cls + pred).cpu(), minlength=n_cls * n_cls).view(
+            n_cls, n_cls
+        )
+        count += int(y.numel())
+        _emit(on_event, "eval_step", split=split, step=step + 1, steps=len(loader))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    correct = confusion.diag()
+    per_class = (correct.double() / confusion.sum(1).clamp(min=1).double()).tolist()
+    return EvalResult(
+        split=split,
+        dataset=getattr(ds, "name", "?"),
+        count=count,
+        loss=loss_sum / max(count, 1),
+        accuracy=float(correct.sum()) / max(count, 1),
+        top5=top5_hits / max(count, 1),
+        per_class=per_class,
+        confusion=confusion.tolist(),
+        classes=list(classes),
+        images_per_s=count / max(seconds, 1e-9),
+        seconds=seconds,
+    )
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    *,
+    data_dir: str | None = None,
+    split: str = "test",
+    batch_size: int | None = None,
+    device: str = "auto",
+    test_file: str | None = None,
+    on_event: EventFn = None,
+) -> tuple[EvalResult, dict[str, Any]]:
+    """Rebuild the model and its data from a checkpoint alone and evaluate one split."""
+    from capsctl.checkpoint import load_checkpoint
+
+    if split not in ("val", "test"):
+        raise UsageError(f"--split {split}: expected val or test")
+    dev = resolve_device(device)
+    model, meta = load_checkpoint(path, device=dev)
+    preset = _preset_from_meta(meta, Path(path))
+    if data_dir is not None:
+        preset.data.data_dir = data_dir
+    if test_file is not None:
+        preset.data.test_file = test_file
+    if split == "val" and preset.data.val_size == 0:
+        raise UsageError(
+            f"{path}: this run had no validation split (data.val_size = 0); use --split test"
+        )
+    data = prepare_data(preset, on_event)
+    stored = meta.get("dataset_fingerprint")
+    if stored and stored != data.fingerprint:
+        _emit(
+            on_event,
+            "warning",
+            message=(
+                f"the training data differs from the data {Path(path).name} was trained on "
+                f"(fingerprint {data.fingerprint} != {stored}); the validation split may overlap training"
+            ),
+        )
+    ds = data.val if split == "val" else data.test
+    result = evaluate(
+        model,
+        ds,
+        batch_size=batch_size or preset.train.eval_batch_size,
+        device=dev,
+        mean=data.mean,
+        std=data.std,
+        classes=data.classes,
+        split=split,
+        on_event=on_event,
+    )
+    return result, meta
+
+
+def _preset_from_meta(meta: dict[str, Any], path: Path) -> Preset:
+    try:
+        return preset_from_dict(meta["preset"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: its stored preset is unusable ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Training pieces
+
+
+def make_optimizer(model: nn.Module, preset: Preset) -> torch.optim.Optimizer:
+    t = preset.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=t.lr,
+            momentum=t.momentum,
+            nesterov=t.nesterov and t.momentum > 0,
+            weight_decay=t.weight_decay,
+        )
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+
+
+def lr_factor(preset: Preset, step: int, steps_per_epoch: int) -> float:
+    """Multiplier of the base LR at global optimizer step ``step`` (0-based).
+
+    Linear warmup over ``warmup_epochs``, then: ``multistep`` (x gamma at each milestone epoch),
+    ``cosine`` (to 0 at the end), ``onecycle`` (warmup from lr/25 over 30% of training unless
+    ``warmup_epochs`` is set, then cosine down to lr/1e4), ``constant``.
+    """
+    t = preset.train
+    total = max(1, t.epochs * steps_per_epoch)
+    epoch = step / steps_per_epoch
+    if t.schedule == "onecycle":
+        warm = t.warmup_epochs * steps_per_epoch if t.warmup_epochs > 0 else 0.3 * total
+        if step < warm:
+            return 1 / 25 + (1 - 1 / 25) * step / warm
+        frac = (step - warm) / max(1.0, total - warm)
+        return 1e-4 + (1 - 1e-4) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    warm = t.warmup_epochs * steps_per_epoch
+    if step < warm:
+        return (step + 1) / warm
+    if t.schedule == "multistep":
+        return t.gamma ** sum(1 for m in t.milestones if epoch >= m)
+    if t.schedule == "cosine":
+        frac = (step - warm) / max(1.0, total - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return 1.0
+
+
+class EMA:
+    """Exponential moving average of the parameters and buffers (used for evaluation)."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for k, v in model.state_dict().items():
+            s = self.shadow[k]
+            if v.dtype.is_floating_point:
+                s.lerp_(v, 1 - self.decay)
+            else:
+                s.copy_(v)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self.shadow
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        for k, v in state.items():
+            self.shadow[k].copy_(v)
+
+
+def _autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextManager[Any]:
+    if not amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+@contextlib.contextmanager
+def _sigint_as_flag() -> Iterator[dict[str, bool]]:
+    """Turn Ctrl-C into a flag checked between steps, so a checkpoint can be written cleanly.
+
+    A second Ctrl-C interrupts at once.
+    """
+    flag = {"stop": False}
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except ValueError:  # not the main thread
+        yield flag
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# fit
+
+
+@dataclass
+class FitResult:
+    out_dir: Path
+    epochs_done: int
+    best_epoch: int | None
+    best_val_accuracy: float | None
+    test: EvalResult | None
+    interrupted: bool
+    seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "out_dir": str(self.out_dir),
+            "epochs_done": self.epochs_done,
+            "best_epoch": self.best_epoch,
+            "best_val_accuracy": self.best_val_accuracy,
+            "test": self.test.to_dict() if self.test else None,
+            "interrupted": self.interrupted,
+            "seconds": self.seconds,
+            "history": self.history,
+        }
+
+
+class Interrupted(CapsctlError):
+    """Training stopped on Ctrl-C after saving a resumable checkpoint."""
+
+    exit_code = 130
+
+
+def _check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder; choose another path")
+    holds_run = out.is_dir() and any((out / f).exists() for f in (LAST, BEST, METRICS))
+    if holds_run and not (resume or overwrite):
+        raise UsageError(
+            f"--out {out}: already holds a run; pass --resume {out / LAST} to continue it, "
+            "--overwrite to replace it, or choose another --out"
+        )
+    if holds_run and overwrite and not resume:
+        for f in (LAST, BEST, METRICS, RESOLVED_PRESET):
+            with contextlib.suppress(FileNotFoundError):
+                (out / f).unlink()
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
+    """Keep the metrics lines of the epochs a resumed run already has (drop later ones)."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(rec, dict) and rec.get("epoch", 10**9) <= epochs_done:
+            kept.append(rec)
+    _write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def load_resume_preset(path: str | Path) -> Preset:
+    """The preset stored in a checkpoint (for ``--resume``)."""
+    return _preset_from_meta(read_metadata(path), Path(path))
+
+
+def fit(
+    preset: Preset,
+    out_dir: str | Path,
+    *,
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    on_event: EventFn = None,
+    handle_sigint: bool = True,
+) -> FitResult:
+    """Train ``preset`` into ``out_dir``; resume from a ``last.safetensors`` if given."""
+    from capsctl.data import Loader
+    from capsctl.models import build_model_from_config, param_groups
+
+    t_start = time.perf_counter()
+    out = Path(out_dir)
+    _check_out_dir(out, resume is not None, overwrite)
+    t = preset.train
+    device = resolve_device(t.device)
+    seed_everything(t.seed, t.deterministic)
+    data = prepare_data(preset, on_event)
+    _emit(
+        on_event,
+        "data",
+        train=len(data.train),
+        val=len(data.val) if data.val is not None else 0,
+        test=len(data.test),
+        test_name=data.test_name,
+        classes=len(data.classes),
+    )
+
+    model = build_model_from_config(preset.model).to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = make_optimizer(model, preset)
+    aug = preset.data.augment
+    train_loader = Loader(
+        data.train,
+        t.batch_size,
+        shuffle=True,
+        seed=t.seed,
+        device=device,
+        mean=data.mean,
+        std=data.std,
+        crop_padding=aug.crop_padding,
+        hflip=aug.hflip,
+        drop_last=True,
+    )
+    steps_per_epoch = len(train_loader)
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"train.batch_size: {t.batch_size} is larger than the training set ({len(data.train)})"
+        )
+    if t.steps_per_epoch is not None:
+        steps_per_epoch = min(steps_per_epoch, t.steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(preset, step, steps_per_epoch)
+    )
+    ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    step_fn = torch.compile(model) if t.compile else model
+
+    start_epoch, best_acc, best_epoch = 0, -1.0, None
+    partial: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = []
+    if resume is not None:
+        tensors = load_tensors(resume)
+        meta = read_metadata(resume)
+        state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"{resume}: its weights do not fit the preset's model ({str(e)[:120]})"
+            ) from None
+        opt_state, sched_state, ema_state, rng = unpack_training_state(tensors, meta)
+        optimizer.load_state_dict(opt_state)
+        if sched_state is not None:
+            sched_state = {k: v for k, v in sched_state.items() if k != "lr_lambdas"}
+            scheduler.load_state_dict(sched_state)
+        if ema is not None and ema_state is not None:
+            ema.load_state_dict(ema_state)
+        restore_rng_state(rng)
+        start_epoch = int(meta.get("epoch", 0))
+        partial = meta.get("partial")
+        best = meta.get("best") or {}
+        best_acc = float(best.get("val_accuracy", -1.0))
+        best_epoch = best.get("epoch")
+        history = _truncate_metrics(out / METRICS, start_epoch)
+        _emit(on_event, "resume", path=str(resume), epoch=start_epoch)
+
+    out.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(out / RESOLVED_PRESET, dump_yaml(preset))
+    base_meta = {
+        "preset": preset_to_dict(preset),
+        "classes": data.classes,
+        "normalization": {"name": preset.data.normalization, "mean": data.mean, "std": data.std},
+        "input_size": preset.model.input_size,
+        "in_channels": preset.model.in_channels,
+        "dataset": preset.data.dataset,
+        "dataset_fingerprint": data.fingerprint,
+        "params": param_groups(model),
+        "capsctl_version": __version__,
+        "torch_version": torch.__version__,
+    }
+
+    def eval_model() -> nn.Module:
+        if ema is None:
+            return model
+        shadow = copy.deepcopy(model)
+        shadow.load_state_dict(ema.state_dict())
+        return shadow
+
+    def save_last(epoch: int, metrics: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        st, sm = pack_training_state(
+            optimizer.state_dict(),
+            _sched_state(scheduler),
+            ema.state_dict() if ema else None,
+            capture_rng_state(),
+        )
+        meta = {
+            **base_meta,
+            "epoch": epoch,
+            "metrics": metrics,
+            "kind": "last",
+            "best": {"epoch": best_epoch, "val_accuracy": best_acc if best_acc >= 0 else None},
+            **sm,
+        }
+        if extra:
+            meta.update(extra)
+        save_checkpoint(out / LAST, {**model_tensors(model), **st}, meta)
+        _emit(on_event, "checkpoint", path=str(out / LAST), epoch=epoch)
+
+    interrupted = False
+    epoch = start_epoch
+    ctx = _sigint_as_flag() if handle_sigint else contextlib.nullcontext({"stop": False})
+    with ctx as flag:
+        for epoch in range(start_epoch, t.epochs):
+            model.train()
+            train_loader.set_epoch(epoch)
+            _emit(on_event, "epoch_start", epoch=epoch + 1, epochs=t.epochs, steps=steps_per_epoch)
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            correct = torch.zeros((), device=device, dtype=torch.int64)
+            seen, skip = 0, 0
+            if epoch == start_epoch and partial:
+                skip = int(partial["step"])
+                loss_sum += float(partial["loss_sum"])
+                correct += int(partial["correct"])
+                seen = int(partial["seen"])
+            stopped_at = None
+            for step, (x, y) in enumerate(train_loader):
+                if step >= steps_per_epoch:
+                    break
+                if step < skip:
+                    continue  # done before the interruption; the loader's order is f(seed, epoch)
+                if t.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with _autocast(device, t.amp):
+                    logits = step_fn(x)
+                    loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
+                if not torch.isfinite(loss):
+                    where = f"epoch {epoch + 1}, step {step + 1}"
+                    kept = (
+                        f"the last good checkpoint ({out / LAST}) is kept"
+                        if (out / LAST).exists()
+                        else "no checkpoint was written yet"
+                    )
+                    raise CapsctlError(
+                        f"loss became {float(loss)} at {where}; {kept}. Lower train.lr or set train.grad_clip"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if t.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                if ema is not None:
+                    ema.update(model)
+                loss_sum += loss.detach() * y.numel()
+                correct += (logits.detach().argmax(1) == y).sum()
+                seen += int(y.numel())
+                if on_event is not None:
+                    el = time.perf_counter() - t0
+                    on_event(
+                        {
+                            "event": "step",
+                            "epoch": epoch + 1,
+                            "epochs": t.epochs,
+                            "step": step + 1,
+                            "steps": steps_per_epoch,
+                            "loss": float(loss),
+                            "lr": optimizer.param_groups[0]["lr"],
+                            "images_per_s": (
+                                seen - (partial or {}).get("seen", 0) * (epoch == start_epoch)
+                            )
+                            / max(el, 1e-9),
+                        }
+                    )
+                if flag["stop"]:
+                    stopped_at = step + 1
+                    break
+            if stopped_at is not None:
+                # Save mid-epoch: resume skips the batches already done and continues exactly.
+                save_last(
+                    epoch,
+                    history[-1] if history else {},
+                    {
+                        "partial": {
+                            "step": stopped_at,
+                            "loss_sum": float(loss_sum),
+                            "correct": int(correct),
+                            "seen": seen,
+                        }
+                    },
+                )
+                interrupted = True
+                break
+            train_time = time.perf_counter() - t0
+            record: dict[str, Any] = {
+                "epoch": epoch + 1,
+                "train_loss": float(loss_sum) / max(seen, 1),
+                "train_accuracy": float(correct) / max(seen, 1),
+                "lr": optimizer.param_groups[0]["lr"],
+                "epoch_seconds": train_time,
+                "images_per_s": seen / max(train_time, 1e-9),
+            }
+            if data.val is not None:
+                ev = evaluate(
+                    eval_model(),
+                    data.val,
+                    batch_size=t.eval_batch_size,
+                    device=device,
+                    mean=data.mean,
+                    std=data.std,
+                    classes=data.classes,
+                    split="val",
+                    amp=t.amp,
+                )
+                record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
+                improved = ev.accuracy > best_acc
+            else:
+                improved = True
+            if improved:
+                best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
+                best_epoch = epoch + 1
+                shadow = eval_model()
+                save_checkpoint(
+                    out / BEST,
+                    model_tensors(shadow),
+                    {**base_meta, "epoch": epoch + 1, "metrics": record, "kind": "best"},
+                )
+            record["best"] = improved
+            history.append(record)
+            _append_jsonl(out / METRICS, record)
+            save_last(epoch + 1, record)
+            _emit(on_event, "epoch_end", **record, epochs=t.epochs)
+            if t.time_limit is not None and time.perf_counter() - t_start > t.time_limit:
+                _emit(on_event, "time_limit", epoch=epoch + 1)
+                break
+
+    epochs_done = history[-1]["epoch"] if history else start_epoch
+    if interrupted:
+        raise Interrupted(
+            f"interrupted during epoch {epoch + 1}; the run is saved, resume with "
+            f"capsctl train --resume {out / LAST}"
+        )
+
+    test_result = None
+    if (out / BEST).exists():
+        from capsctl.checkpoint import load_checkpoint
+
+        best_model, best_meta = load_checkpoint(out / BEST, device=device)
+        test_result = evaluate(
+            best_model,
+            data.test,
+            batch_size=t.eval_batch_size,
+            device=device,
+            mean=data.mean,
+            std=data.std,
+            classes=data.classes,
+            split="test",
+            amp=t.amp,
+        )
+        best_meta["test"] = {
+            k: v for k, v in test_result.to_dict().items() if k not in ("confusion",)
+        }
+        best_meta["test_name"] = data.test_name
+        save_checkpoint(out / BEST, model_tensors(best_model), best_meta)
+        _emit(
+            on_event, "test", **{k: v for k, v in test_result.to_dict().items() if k != "confusion"}
+        )
+    result = FitResult(
+        out,
+        epochs_done,
+        best_epoch,
+        best_acc if best_acc >= 0 else None,
+        test_result,
+        False,
+        time.perf_counter() - t_start,
+        history,
+    )
+    _write_text_atomic(out / "results.json", json.dumps(result.to_dict(), indent=2))
+    return result
+
+
+def _sched_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    # LambdaLR stores lambdas only when they are callable objects; ours is a closure: drop it.
+    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}

@@ -1,0 +1,351 @@
+"""Tests for capsctl.inspect_routing: statistics, JSON, raw dumps and pictures."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from capsctl.errors import CapsctlError, UsageError
+from capsctl.inspect_routing import (
+    RoutingReport,
+    class_flow,
+    inspect_routing,
+    spatial_map,
+    write_pngs,
+)
+from capsctl.models import build_model_from_config
+from capsctl.registry import resolve_config
+
+CLASSES = ["cat", "dog", "ému"]
+SIZE = 12
+
+
+def make_model(**changes: Any) -> torch.nn.Module:
+    spec = {
+        "base": "mnist-caps",
+        "input_size": SIZE,
+        "num_classes": len(CLASSES),
+        "primary_types": 4,
+        "primary_dim": 4,
+        "layers": [{"kind": "conv", "types": 4, "pose_dim": 4, "kernel": 3, "stride": 1}],
+        "iterations": 2,
+        **changes,
+    }
+    torch.manual_seed(0)
+    return build_model_from_config(resolve_config(spec))
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return make_model().eval()
+
+
+@pytest.fixture(scope="module")
+def fc_model() -> torch.nn.Module:
+    """conv -> fc (vector poses) -> class capsules: the class layer's children are flat."""
+    return make_model(
+        layers=[
+            {"kind": "conv", "types": 3, "pose_dim": 4, "kernel": 3, "stride": 2},
+            {"kind": "fc", "types": 5, "pose_dim": 6, "pose": "vector"},
+        ],
+        class_pose="vector",
+    ).eval()
+
+
+def batch(n: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 1, SIZE, SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def trace_of(model: torch.nn.Module, x: torch.Tensor, t: int, mode: str):
+    model.set_routing(t, mode)
+    try:
+        with torch.no_grad():
+            return model(x, trace=True)[1]
+    finally:
+        model.set_routing(2, "concurrent")
+
+
+# --------------------------------------------------------------------------------------------
+# Hand computation with plain loops
+# --------------------------------------------------------------------------------------------
+
+
+def hand_stats(coeffs: list[torch.Tensor], poses: list[torch.Tensor]) -> list[dict[str, Any]]:
+    rows = []
+    prev_children = None
+    for t, (c, p) in enumerate(zip(coeffs, poses, strict=True)):
+        children = c.reshape(-1, c.shape[-1]).tolist()
+        m = len(children[0])
+        ent, mx, changed = 0.0, 0.0, 0
+        for i, r in enumerate(children):
+            h = -sum(v * math.log(v) for v in r if v > 0)
+            ent += h / math.log(m)
+            mx += max(r)
+            if prev_children is not None:
+                top = max(range(m), key=lambda j, r=r: r[j])
+                if prev_children[i][top] < max(prev_children[i]):
+                    changed += 1
+        n = len(children)
+        row = {"entropy": ent / n, "max": mx / n, "changed": None, "stability": None}
+        if t > 0:
+            row["changed"] = changed / n
+            cur = p.reshape(-1, p.shape[-1]).tolist()
+            old = poses[t - 1].reshape(-1, p.shape[-1]).tolist()
+            total = 0.0
+            for a, b in zip(cur, old, strict=True):
+                dot = sum(x * y for x, y in zip(a, b, strict=True))
+                total += dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+            row["stability"] = total / len(cur)
+        rows.append(row)
+        prev_children = children
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["concurrent", "sequential"])
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_statistics_match_hand_computation(model, mode: str, t: int) -> None:
+    x = batch()
+    report = inspect_routing(model, x, classes=CLASSES, iterations=t, routing=mode)
+    trace = trace_of(model, x, t, mode)
+    assert report.iterations == t and report.routing == mode
+    assert [layer.kind for layer in report.layers] == trace.kinds == ["conv", "fc"]
+    for li, layer in enumerate(report.layers):
+        expected = hand_stats(trace.coefficients[li], trace.poses[li])
+        assert [s.iteration for s in layer.iterations] == list(range(1, t + 1))
+        for stats, hand in zip(layer.iterations, expected, strict=True):
+            assert stats.mean_entropy == pytest.approx(hand["entropy"], abs=1e-6)
+            assert stats.mean_max == pytest.approx(hand["max"], abs=1e-6)
+            if hand["changed"] is None:
+                assert stats.top_changed is None and stats.pose_stability is None
+            else:
+                assert stats.top_changed == pytest.approx(hand["changed"], abs=1e-12)
+                assert stats.pose_stability == pytest.approx(hand["stability"], abs=1e-6)
+        for a, b in zip(report.coefficients[li], trace.coefficients[li], strict=True):
+            assert torch.equal(a, b)
+    # the model's own settings are restored
+    assert (model.iterations, model.routing, model.training) == (2, "concurrent", False)
+
+
+@pytest.mark.parametrize("mode", ["concurrent", "sequential"])
+def test_uniform_pass_is_exactly_uniform(model, fc_model, mode: str) -> None:
+    for net in (model, fc_model):
+        report = inspect_routing(net, batch(2), classes=CLASSES, iterations=1, routing=mode)
+        for layer in report.layers:
+            (stats,) = layer.iterations
+            assert stats.mean_entropy == 1.0
+            assert stats.mean_max == 1.0 / layer.parent_types
+            assert stats.top_changed is None and stats.pose_stability is None
+        later = inspect_routing(net, batch(2), classes=CLASSES, iterations=3, routing=mode)
+        for layer in later.layers:
+            assert layer.iterations[0].mean_entropy == 1.0
+            assert layer.iterations[1].top_changed == 0.0  # vs. a pass where all parents tie
+            for s in layer.iterations[1:]:
+                assert 0.0 <= s.mean_entropy < 1.0
+                assert 1.0 / layer.parent_types < s.mean_max <= 1.0
+                assert 0.0 <= s.top_changed <= 1.0
+                assert -1.0 <= s.pose_stability <= 1.0 + 1e-9
+
+
+def test_first_layer_is_the_same_in_both_modes(model) -> None:
+    x = batch()
+    a = inspect_routing(model, x, classes=CLASSES, iterations=3, routing="concurrent")
+    b = inspect_routing(model, x, classes=CLASSES, iterations=3, routing="sequential")
+    assert a.layers[0].iterations == b.layers[0].iterations
+
+
+def test_training_mode_and_settings_restored() -> None:
+    net = make_model()
+    net.train()
+    inspect_routing(net, batch(), classes=CLASSES, iterations=3, routing="sequential")
+    assert net.training and net.iterations == 2 and net.routing == "concurrent"
+
+
+# --------------------------------------------------------------------------------------------
+# Parents, children and spatial maps
+# --------------------------------------------------------------------------------------------
+
+
+def test_parents_receiving_and_top_children(model) -> None:
+    x = batch(4)
+    labels = torch.tensor([0, 1, 2, 1])
+    report = inspect_routing(model, x, labels=labels, classes=CLASSES, top=3)
+    full = inspect_routing(model, x, classes=CLASSES, top=10)
+    for layer, whole in zip(report.layers, full.layers, strict=True):
+        shares = [s for _, s in layer.parents_receiving]
+        assert len(shares) == min(3, layer.parent_types)
+        assert shares == sorted(shares, reverse=True)
+        assert sum(s for _, s in whole.parents_receiving) == pytest.approx(1.0)
+        last = report.coefficients[layer.index][-1]
+        received = last.reshape(-1, last.shape[-1]).double().sum(0)
+        j, share = layer.parents_receiving[0]
+        assert share == pytest.approx(float(received[j] / received.sum()))
+
+    h, w, n = report.child_grids[-1]
+    assert report.layers[-1].child_grid == (h, w, n)
+    coeff = report.coefficients[-1][-1]  # [b, h*w*n, classes]
+    for i, record in enumerate(report.images):
+        assert record.predicted == int(report.logits[i].argmax())
+        assert record.predicted_class == CLASSES[record.predicted]
+        assert record.label == int(labels[i]) and record.label_class == CLASSES[record.label]
+        assert len(record.top_children) == 3
+        grid = coeff[i].view(h, w, n, len(CLASSES))
+        column = coeff[i, :, record.predicted]
+        assert record.top_children[0].coefficient == pytest.approx(float(column.max()))
+        for child in record.top_children:
+            assert grid[child.h, child.w, child.type, record.predicted].item() == pytest.approx(
+                child.coefficient
+            )
+
+
+def test_spatial_map_sums_child_types(model) -> None:
+    report = inspect_routing(model, batch(2), classes=CLASSES)
+    h, w, n = report.child_grids[-1]
+    for i in range(2):
+        sm = spatial_map(report, i)
+        assert sm.shape == (h, w)
+        pred = report.images[i].predicted
+        expected = report.coefficients[-1][-1][i, :, pred].view(h, w, n).sum(-1)
+        assert torch.allclose(sm, expected)
+    with pytest.raises(UsageError, match="out of range"):
+        spatial_map(report, 2)
+
+
+def test_spatial_map_through_fc_layers(fc_model) -> None:
+    report = inspect_routing(fc_model, batch(2), classes=CLASSES, top=2)
+    assert report.child_grids[-1] is None
+    child = report.images[0].top_children[0]
+    assert child.h is None and child.w is None and 0 <= child.type < 5
+    flow, (h, w, n) = class_flow(report, 0)
+    pred = report.images[0].predicted
+    c_fc = report.coefficients[-2][-1][0].double()  # [grid children, 5]
+    c_cls = report.coefficients[-1][-1][0].double()  # [5, classes]
+    assert torch.allclose(flow, c_fc @ c_cls[:, pred])
+    assert spatial_map(report, 0).shape == (h, w)
+
+
+# --------------------------------------------------------------------------------------------
+# JSON and raw dumps
+# --------------------------------------------------------------------------------------------
+
+
+def test_json_round_trip(model) -> None:
+    report = inspect_routing(
+        model, batch(), labels=torch.tensor([2, 0, 1]), classes=CLASSES, iterations=3
+    )
+    data = report.to_dict()
+    text = json.dumps(data, ensure_ascii=False)
+    assert json.loads(text) == data
+    assert data["iterations"] == 3 and data["classes"] == CLASSES
+    assert data["layers"][0]["iterations"][0]["top_changed"] is None
+    assert data["images"][0]["label_class"] == "ému"
+    assert isinstance(report, RoutingReport)
+
+
+def test_dump_keys_and_shapes(model, tmp_path: Path) -> None:
+    report = inspect_routing(model, batch(2), classes=CLASSES, iterations=3, routing="sequential")
+    path = report.dump(tmp_path / "routing.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        assert keys == {f"layer{li}.iter{t}" for li in range(2) for t in (1, 2, 3)}
+        assert list(f.get_tensor("layer0.iter2").shape) == [2, 4, 4, 3, 3, 4, 4]
+        for li, per_layer in enumerate(report.coefficients):
+            for ti, c in enumerate(per_layer):
+                assert torch.equal(f.get_tensor(f"layer{li}.iter{ti + 1}"), c)
+        meta = f.metadata()
+    assert json.loads(meta["kinds"]) == ["conv", "fc"]
+    assert json.loads(meta["child_grids"]) == [None, [4, 4, 4]]
+    assert [p.name for p in tmp_path.iterdir()] == ["routing.safetensors"]
+    with pytest.raises(CapsctlError, match="does not exist"):
+        report.dump(tmp_path / "missing" / "r.safetensors")
+
+
+# --------------------------------------------------------------------------------------------
+# Pictures
+# --------------------------------------------------------------------------------------------
+
+
+def display(x: torch.Tensor) -> torch.Tensor:
+    return ((x.clamp(-2, 2) + 2) / 4 * 255).round().to(torch.uint8)
+
+
+def test_write_pngs(model, tmp_path: Path) -> None:
+    from PIL import Image
+
+    x = batch(2)
+    report = inspect_routing(model, x, classes=CLASSES, iterations=2)
+    paths = write_pngs(report, display(x), tmp_path / "pictures")
+    names = sorted(p.name for p in paths)
+    expected = [f"routing_layer{li}_iter{t}.png" for li in range(2) for t in (1, 2)]
+    assert names == sorted(expected + ["image0_routing.png", "image1_routing.png"])
+    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == names  # no temp files
+    limits = set()
+    for path in paths:
+        with Image.open(path) as im:
+            im.load()
+            assert im.format == "PNG" and im.size[0] > 100 and im.size[1] > 100
+            text = dict(im.text)
+        if text["capsctl:kind"] == "coefficients":
+            limits.add((float(text["capsctl:vmin"]), float(text["capsctl:vmax"])))
+        else:
+            assert float(text["capsctl:vmin"]) == 0.0
+    assert limits == {(0.0, 1.0)}  # every heatmap, every iteration: the same fixed scale
+    # float images in [0, 1] work too; each kind of picture can be switched off
+    one = inspect_routing(model, x[:1], classes=CLASSES)
+    floats = write_pngs(one, display(x[:1]).float() / 255, tmp_path / "floats", heatmaps=False)
+    assert [p.name for p in floats] == ["image0_routing.png"]
+    assert write_pngs(one, display(x[:1]), tmp_path / "none", heatmaps=False, overlays=False) == []
+
+
+def test_overlay_changes_with_the_input(model, tmp_path: Path) -> None:
+    a, b = batch(1, seed=1), batch(1, seed=2)
+    ra = inspect_routing(model, a, classes=CLASSES)
+    rb = inspect_routing(model, b, classes=CLASSES)
+    pa = write_pngs(ra, display(a), tmp_path / "a", heatmaps=False)
+    pb = write_pngs(rb, display(b), tmp_path / "b", heatmaps=False)
+    overlay_a = (tmp_path / "a" / "image0_routing.png").read_bytes()
+    overlay_b = (tmp_path / "b" / "image0_routing.png").read_bytes()
+    assert overlay_a != overlay_b
+    # same routing, different background: the routing map still differs between a and b
+    assert not torch.allclose(spatial_map(ra, 0), spatial_map(rb, 0))
+    assert [p.name for p in pa] == [p.name for p in pb] == ["image0_routing.png"]
+
+
+def test_write_pngs_needs_matplotlib(model, tmp_path: Path, monkeypatch) -> None:
+    report = inspect_routing(model, batch(1), classes=CLASSES)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(CapsctlError, match=r"pip install 'capsctl\[plot\]'"):
+        write_pngs(report, display(batch(1)), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_non_capsule_model_is_a_usage_error() -> None:
+    cnn = make_model(arch="cnn")
+    with pytest.raises(UsageError, match="needs a capsule network") as info:
+        inspect_routing(cnn, batch(), classes=CLASSES)
+    assert info.value.exit_code == 2
+
+
+def test_bad_arguments(model) -> None:
+    with pytest.raises(UsageError, match="iterations"):
+        inspect_routing(model, batch(), classes=CLASSES, iterations=0)
+    with pytest.raises(UsageError, match="routing mode"):
+        inspect_routing(model, batch(), classes=CLASSES, routing="dynamic")
+    with pytest.raises(UsageError, match="class names"):
+        inspect_routing(model, batch(), classes=["a"])
+    with pytest.raises(UsageError, match=r"model takes \[N, 1, 12, 12\]"):
+        inspect_routing(model, torch.zeros(2, 3, SIZE, SIZE), classes=CLASSES)
+    with pytest.raises(UsageError, match="labels"):
+        inspect_routing(model, batch(), classes=CLASSES, labels=torch.tensor([0]))
+    assert model.iterations == 2 and model.routing == "concurrent"
