@@ -538,7 +538,6 @@ def fit(
         opt_state, sched_state, ema_state, rng = unpack_training_state(tensors, meta)
         optimizer.load_state_dict(opt_state)
         if sched_state is not None:
-            sched_state = {k: v for k, v in sched_state.items() if k != "lr_lambdas"}
             scheduler.load_state_dict(sched_state)
         if ema is not None and ema_state is not None:
             ema.load_state_dict(ema_state)
@@ -651,7 +650,7 @@ def fit(
                             "epochs": t.epochs,
                             "step": step + 1,
                             "steps": steps_per_epoch,
-                            "loss": float(loss),
+                            "loss": float(loss.detach()),
                             "lr": optimizer.param_groups[0]["lr"],
                             "images_per_s": (
                                 seen - (partial or {}).get("seen", 0) * (epoch == start_epoch)
@@ -767,5 +766,5 @@ def fit(
 
 
 def _sched_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    # LambdaLR stores lambdas only when they are callable objects; ours is a closure: drop it.
-    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    # LambdaLR stores ``lr_lambdas`` as [None] for plain functions: the state is JSON-able.
+    return scheduler.state_dict()
