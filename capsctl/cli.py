@@ -265,6 +265,149 @@ def bench_cmd(
 
 
 # ---------------------------------------------------------------------------------------------
+# export
+
+
+@app.command("export")
+def export_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="A capsctl .safetensors checkpoint.")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="onnx, pt2 or safetensors.")] = "onnx",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output file (default: beside CKPT).")] = None,
+    data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where the checkpoint's dataset lives "
+                                                  "(real images for the parity check).")] = None,
+    check_images: Annotated[int, typer.Option("--check-images", help="Test images to check parity on.")] = 16,
+    tolerance: Annotated[float, typer.Option(help="Largest allowed |exported - eager| (float32).")] = 1e-4,
+    json_out: JsonOpt = False,
+) -> None:
+    """Export to ONNX (self-contained, dynamic batch), torch.export (.pt2) or a weights-only safetensors
+    release, checked against eager PyTorch; writes a JSON sidecar."""
+    from capsctl import render
+    from capsctl.checkpoint import read_metadata
+    from capsctl.engine import sample_images
+    from capsctl.errors import DataError
+    from capsctl.export import export_checkpoint
+
+    if not ckpt.exists():
+        raise UsageError(f"{ckpt}: no such file")
+    meta = read_metadata(ckpt)
+    try:
+        sample = sample_images(meta, split="test", indices=list(range(check_images)), data_dir=data_dir)
+        images, described = sample.normalized, sample.description
+    except (DataError, UsageError) as e:
+        images, described = None, None
+        if not json_out:
+            render.note(f"[yellow]note:[/] checking on random images: the test images are not available ({e})")
+    with render.err.status(f"exporting {ckpt.name} to {fmt}", spinner="dots") if not json_out else _null():
+        res = export_checkpoint(ckpt, fmt, out, check_images=images, check_description=described,
+                                tolerance=tolerance)
+    if json_out:
+        render.print_json(res.to_dict())
+        return
+    diff = "-" if res.max_abs_diff is None else f"{res.max_abs_diff:.2e}"
+    render.out.print(f"wrote {res.path} ({render.fmt_bytes(res.size_bytes)}) and {res.sidecar}")
+    render.out.print(f"max |exported - eager| = {diff} on {res.checked_on} (tolerance {tolerance:g})")
+
+
+def _null() -> Any:
+    from contextlib import nullcontext
+
+    return nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect-routing
+
+
+def _parse_indices(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise UsageError(f"--indices {text}: expected numbers and ranges like 0,3,10-12") from None
+    return out
+
+
+@app.command("inspect-routing")
+def inspect_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="A capsctl checkpoint of a capsule network.")],
+    split: Annotated[str, typer.Option(help="Dataset split the --indices refer to: train, val or test.")] = "test",
+    indices: Annotated[str | None, typer.Option(help="Images of the split, e.g. 0,3,10-12 (default 0-7).")] = None,
+    image: Annotated[list[Path] | None, typer.Option("--image", help="Image file(s) instead of the dataset.")] = None,
+    random: Annotated[int | None, typer.Option(help="A seeded random batch of N images instead.")] = None,
+    data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where the dataset lives.")] = None,
+    iterations: Annotated[int | None, typer.Option(help="Override T.")] = None,
+    routing: Annotated[str | None, typer.Option(help="Override routing: concurrent or sequential.")] = None,
+    top: Annotated[int, typer.Option(help="How many parents/children to list.")] = 5,
+    dump: Annotated[Path | None, typer.Option("--dump", help="Write raw coefficients to FILE.safetensors.")] = None,
+    png: Annotated[Path | None, typer.Option("--png", help="Write heatmaps and overlays to DIR "
+                                              "(needs capsctl[plot]).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """What the routing does: entropy, confidence, changes across iterations, which parents and
+    which child capsules carry the prediction."""
+    from capsctl import render
+    from capsctl.checkpoint import load_checkpoint
+    from capsctl.engine import sample_images
+    from capsctl.inspect_routing import inspect_routing, write_pngs
+
+    if not ckpt.exists():
+        raise UsageError(f"{ckpt}: no such file")
+    if sum(x is not None and x != [] for x in (indices, image, random)) > 1:
+        raise UsageError("choose one of --indices, --image and --random")
+    model, meta = load_checkpoint(ckpt)
+    sample = sample_images(meta, split=split, indices=_parse_indices(indices), files=image or None,
+                           random=random, data_dir=data_dir)
+    report = inspect_routing(model, sample.normalized, labels=sample.labels, classes=list(meta["classes"]),
+                             iterations=iterations, routing=routing, top=top)
+    written: list[str] = []
+    if dump is not None:
+        report.dump(dump)
+        written.append(str(dump))
+    if png is not None:
+        written += [str(p) for p in write_pngs(report, sample.raw, png)]
+    if json_out:
+        render.print_json({"checkpoint": str(ckpt), "inputs": sample.description, **report.to_dict(),
+                           "written": written})
+        return
+    render.out.print(f"[bold]{ckpt}[/]  T={report.iterations} {report.routing}  on {sample.description}")
+    rows = []
+    for layer in report.layers:
+        name = f"{layer.index}: {layer.kind} {layer.child_types}->{layer.parent_types}"
+        for it in layer.iterations:
+            rows.append([name if it.iteration == 1 else "", it.iteration, f"{it.mean_entropy:.3f}",
+                         f"{it.mean_max:.3f}", "-" if it.top_changed is None else render.fmt_pct(it.top_changed, 1),
+                         "-" if it.pose_stability is None else f"{it.pose_stability:.3f}"])
+    render.out.print(render.table(
+        "Routing statistics (entropy normalized to [0, 1]; 1 = uniform)",
+        ["layer", "iter", "entropy", "max coeff", "top parent changed", "pose stability"], rows,
+        right=(1, 2, 3, 4, 5)))
+    rows = [[f"{layer.index}: {layer.kind}", ", ".join(f"{j} ({100 * s:.1f}%)" for j, s in layer.parents_receiving)]
+            for layer in report.layers]
+    render.out.print(render.table("Parent types receiving the most routing (last iteration)",
+                                  ["layer", "parent type (share)"], rows))
+    rows = []
+    for im in report.images:
+        kids = ", ".join(f"type {c.type}" + (f" @({c.h},{c.w})" if c.h is not None else "") + f" {c.coefficient:.2f}"
+                         for c in im.top_children)
+        rows.append([im.index, im.predicted_class, f"{100 * im.probability:.1f}%", im.label_class or "-", kids])
+    render.out.print(render.table("Child capsules routing into the predicted class",
+                                  ["image", "predicted", "p", "label", "top children (coefficient)"], rows,
+                                  right=(0, 2)))
+    for w in written[:3]:
+        render.note(f"wrote {w}")
+    if len(written) > 3:
+        render.note(f"... and {len(written) - 3} more files")
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:

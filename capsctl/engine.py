@@ -768,3 +768,84 @@ def fit(
 def _sched_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
     # LambdaLR stores ``lr_lambdas`` as [None] for plain functions: the state is JSON-able.
     return scheduler.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs for export checks and routing inspection
+
+
+@dataclass
+class SampleImages:
+    """Images ready for a model (``normalized``) and for pictures (``raw`` uint8)."""
+
+    normalized: Tensor  # float32 [N, C, H, W]
+    raw: Tensor  # uint8 [N, C, H, W]
+    labels: Tensor | None  # int64 [N]
+    description: str
+
+
+def _normalize(raw: Tensor, mean: list[float], std: list[float]) -> Tensor:
+    m = torch.tensor(mean).view(1, -1, 1, 1)
+    s = torch.tensor(std).view(1, -1, 1, 1)
+    return (raw.float() / 255.0 - m) / s
+
+
+def sample_images(meta: dict[str, Any], *, split: str = "test", indices: list[int] | None = None,
+                  files: list[Path] | None = None, random: int | None = None, data_dir: str | None = None,
+                  seed: int = 0) -> SampleImages:
+    """Inputs for a checkpoint: dataset images by index, image files, or a seeded random batch."""
+    norm = meta.get("normalization") or {}
+    mean, std = list(norm.get("mean", [0.0])), list(norm.get("std", [1.0]))
+    channels = int(meta.get("in_channels", len(mean)))
+    size = int(meta.get("input_size", 32))
+    if len(mean) != channels:
+        mean, std = mean[:1] * channels, std[:1] * channels
+    if files:
+        raw = torch.stack([_read_image_file(f, channels, size) for f in files])
+        return SampleImages(_normalize(raw, mean, std), raw, None, f"{len(files)} image file(s)")
+    if random is not None:
+        g = torch.Generator().manual_seed(seed)
+        raw = torch.randint(0, 256, (random, channels, size, size), generator=g, dtype=torch.uint8)
+        return SampleImages(_normalize(raw, mean, std), raw, None, f"{random} random images (seed {seed})")
+    preset = _preset_from_meta(meta, Path("checkpoint"))
+    if data_dir is not None:
+        preset.data.data_dir = data_dir
+    if split not in ("train", "val", "test"):
+        raise UsageError(f"--split {split}: expected train, val or test")
+    from capsctl.data import load_dataset, split_train_val
+
+    d = preset.data
+    if split == "test":
+        ds = load_dataset(d.dataset, "test", d.data_dir, test_file=d.test_file, download=False)
+    else:
+        full = load_dataset(d.dataset, "train", d.data_dir, download=False)
+        if d.val_size > 0:
+            tr, va = split_train_val(full, d.val_size, preset.train.seed)
+            ds = va if split == "val" else tr
+        else:
+            ds = full
+    idx = indices if indices else list(range(min(8, len(ds))))
+    bad = [i for i in idx if not 0 <= i < len(ds)]
+    if bad:
+        raise UsageError(f"--indices {bad[0]}: out of range for the {split} split ({len(ds)} images)")
+    sel = torch.tensor(idx)
+    raw = ds.images[sel]
+    return SampleImages(_normalize(raw, mean, std), raw, ds.labels[sel],
+                        f"{len(idx)} {split} images of {ds.name} (indices {idx[:8]}{'...' if len(idx) > 8 else ''})")
+
+
+def _read_image_file(path: Path, channels: int, size: int) -> Tensor:
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.functional import center_crop, resize
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such image file")
+    try:
+        img = decode_image(str(path), mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB)
+    except Exception as e:  # torchvision raises RuntimeError for unreadable files
+        raise CapsctlError(f"{path}: cannot read this image ({str(e)[:80]}); use a PNG or JPEG file") from None
+    h, w = img.shape[-2:]
+    if (h, w) != (size, size):
+        img = resize(img, [size], antialias=True)
+        img = center_crop(img, [size, size])
+    return img
