@@ -1,0 +1,492 @@
+"""Side-by-side comparison of models: parameters, FLOPs, accuracy, and optionally speed.
+
+:func:`compare` takes registered model names, preset names, aliases (``caps``, ``resnet18``),
+``.yaml`` preset files and ``.safetensors`` checkpoints (:func:`resolve_target`) and returns a
+:class:`CompareReport`: one :class:`CompareRow` per target and, when a ResNet-18 is among them,
+footer lines with ratios relative to it.
+
+FLOPs are ``2 x`` multiply-accumulates of one forward pass per image, counted by
+:class:`torch.utils.flop_counter.FlopCounterMode` (:func:`count_flops`). That counter counts
+matrix products and convolutions (``mm``, ``addmm``, ``bmm``, ``convolution``...), not
+elementwise work: the routing's agreement dot products, coefficient-weighted sums and softmax,
+LayerNorm, BatchNorm and activations are not counted. ``gflops`` is what our forward pass
+computes; concurrent routing skips the routed passes that cannot reach the output (with T=2
+only the class layer is routed). ``gflops_all_passes`` counts ``model(x, trace=True)``, which
+computes every pass of every layer, as the authors' implementation does.
+
+Speed columns come from :func:`capsctl.bench.run_bench`; test accuracy from the checkpoint's
+metadata or, with ``evaluate=True``, from :func:`capsctl.engine.evaluate_checkpoint`.
+Nothing is printed: progress goes to an optional ``on_event`` callback as dicts.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from capsctl.errors import CheckpointError, ConfigError, UsageError
+from capsctl.models import build_model_from_config, param_groups
+from capsctl.models.spec import ModelConfig
+
+__all__ = [
+    "ALIASES",
+    "FLOPS_NOTE",
+    "CompareReport",
+    "CompareRow",
+    "compare",
+    "count_flops",
+    "reference_accuracy",
+    "resolve_target",
+]
+
+EventFn = Callable[[dict], None] | None
+
+#: Short names accepted besides registered models and presets -> registered model name.
+#: ``resnet18`` is the model of the ``cifar10-resnet18`` preset (the registered ``resnet18``).
+ALIASES: dict[str, str] = {"caps": "cifar10-caps", "resnet18": "resnet18"}
+
+FLOPS_NOTE = (
+    "FLOPs = 2 x multiply-accumulates, counted by torch.utils.flop_counter.FlopCounterMode for "
+    "one forward pass (batch 2, divided by 2, eval mode); it counts convolutions and matrix "
+    "products (conv, mm, addmm, bmm), not elementwise work (routing agreements and weighted "
+    "sums, softmax, normalization, activations); gflops_all_passes also counts the routed "
+    "passes that cannot reach the output (every pass, as the authors' code computes them)"
+)
+
+_CHECKPOINT_SUFFIXES = (".safetensors",)
+_PRESET_SUFFIXES = (".yaml", ".yml")
+
+_CAPS_SOURCE = "Tsai et al. 2020, authors' README, mean over runs"
+_RESNET_SOURCE = "Tsai et al. 2020, paper, approximate"
+#: Published test accuracies: (registered model, iterations T) -> accuracy.
+_CAPS_REFERENCE: dict[tuple[str, int], float] = {
+    ("cifar10-caps", 2): 0.9485,
+    ("cifar10-caps", 1): 0.9473,
+    ("cifar100-caps", 2): 0.7627,
+    ("cifar100-caps", 1): 0.7602,
+}
+# Fields that define the architecture of the published capsule nets (dropout and T aside).
+_ARCH_FIELDS = (
+    "arch",
+    "num_classes",
+    "in_channels",
+    "input_size",
+    "backbone",
+    "primary_types",
+    "primary_dim",
+    "layers",
+    "class_pose",
+    "class_pose_dim",
+    "routing",
+    "layer_norm",
+    "agreement_scale",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Rows and report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompareRow:
+    """One compared model. ``None`` means "not known / not measured / not applicable".
+
+    ``source``: ``model`` (registered), ``preset`` or ``checkpoint``. ``input``: ``[C, H, W]``.
+    ``gflops``: per image, one forward pass of our implementation; ``gflops_all_passes``: the
+    same with every routing pass computed (capsule nets only). ``accuracy``: top-1 test (or
+    validation, as ``accuracy_source`` says) accuracy of a checkpoint. ``reference_accuracy``:
+    the published number for this configuration. Speed: median training step (seconds),
+    inference images per second and peak memory (device bytes on cuda, else the peak resident
+    memory of the process) from :func:`capsctl.bench.run_bench`.
+    """
+
+    name: str
+    source: str
+    arch: str
+    num_classes: int
+    input: list[int]
+    params: dict[str, int]
+    gflops: float
+    routing: str | None
+    iterations: int | None
+    accuracy: float | None
+    accuracy_source: str | None
+    reference_accuracy: float | None
+    reference_source: str | None
+    gflops_all_passes: float | None = None
+    train_step_s: float | None = None
+    infer_images_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: Columns of :meth:`CompareReport.to_csv`, in order.
+CSV_COLUMNS = (
+    "name",
+    "source",
+    "arch",
+    "num_classes",
+    "input",
+    "params_total",
+    "params_backbone",
+    "params_capsules",
+    "gflops",
+    "gflops_all_passes",
+    "routing",
+    "iterations",
+    "accuracy",
+    "accuracy_source",
+    "reference_accuracy",
+    "reference_source",
+    "train_step_s",
+    "infer_images_per_s",
+    "peak_memory_bytes",
+)
+
+
+def _csv_value(value: Any) -> Any:
+    return "" if value is None else value
+
+
+@dataclass
+class CompareReport:
+    """Rows, the name of the ResNet-18 row the footer ratios refer to, and the footer."""
+
+    rows: list[CompareRow]
+    reference: str | None
+    footer: list[str]
+    flops_note: str = field(default=FLOPS_NOTE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "models": [row.to_dict() for row in self.rows],
+            "reference": self.reference,
+            "footer": list(self.footer),
+            "flops_note": self.flops_note,
+        }
+
+    def to_csv(self) -> str:
+        """A header line and one line per row; ``input`` as ``CxHxW``, empty cells for None."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(CSV_COLUMNS)
+        for row in self.rows:
+            flat = row.to_dict()
+            params = flat.pop("params")
+            flat["input"] = "x".join(str(v) for v in row.input)
+            flat["params_total"] = params.get("total")
+            flat["params_backbone"] = params.get("backbone")
+            flat["params_capsules"] = params.get("capsules")
+            writer.writerow([_csv_value(flat.get(col)) for col in CSV_COLUMNS])
+        return buf.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+
+
+def _accepted(models: Sequence[str], presets: Sequence[str]) -> str:
+    return (
+        f"registered models ({', '.join(models) or 'none'}), "
+        f"presets ({', '.join(presets) or 'none'}), aliases ({', '.join(ALIASES)}), "
+        "a .yaml preset file or a .safetensors checkpoint"
+    )
+
+
+def _checkpoint_config(path: Path) -> ModelConfig:
+    """The model configuration stored in a checkpoint's metadata (no tensor is read)."""
+    from capsctl.checkpoint import read_metadata
+    from capsctl.config import from_dict
+
+    meta = read_metadata(path)
+    preset = meta.get("preset")
+    raw = preset.get("model") if isinstance(preset, dict) else None
+    if not isinstance(raw, dict):
+        raise CheckpointError(
+            f"{path}: its metadata has no model configuration (preset.model), so it cannot be "
+            "compared"
+        )
+    try:
+        return from_dict(ModelConfig, raw, "preset.model")
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{path}: its stored model configuration is invalid ({e}); it may come from another "
+            "capsctl version"
+        ) from None
+
+
+def resolve_target(spec: str) -> tuple[str, str, ModelConfig, Path | None]:
+    """``(name, source, config, checkpoint path or None)`` of one compare target.
+
+    Tried in order: an existing file (``.yaml``/``.yml``: a preset; anything else: a capsctl
+    checkpoint), an alias (:data:`ALIASES`), a registered model, a preset name. ``source`` is
+    ``"model"``, ``"preset"`` or ``"checkpoint"``. A checkpoint's name is ``spec`` as given.
+    Raises UsageError naming what is accepted when nothing matches.
+    """
+    from capsctl.config import list_presets, load_preset
+    from capsctl.registry import get_config, list_models
+
+    text = str(spec).strip()
+    if not text:
+        raise UsageError("empty model name; pass a model, preset, alias, .yaml or .safetensors")
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() in _PRESET_SUFFIXES:
+            preset = load_preset(path)
+            return preset.name or path.stem, "preset", preset.model, None
+        return text, "checkpoint", _checkpoint_config(path), path
+    if path.suffix.lower() in _CHECKPOINT_SUFFIXES + _PRESET_SUFFIXES:
+        raise UsageError(f"{text} does not exist; check the path")
+    if text in ALIASES:
+        name = ALIASES[text]
+        return name, "model", get_config(name), None
+    models = list_models()
+    if text in models:
+        return text, "model", get_config(text), None
+    presets = [n for n, _ in list_presets()]
+    if text in presets:
+        preset = load_preset(text)
+        return preset.name or text, "preset", preset.model, None
+    raise UsageError(f"unknown model {text!r}; compare accepts {_accepted(models, presets)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------
+
+
+def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: bool = False) -> float:
+    """GFLOPs (``2 x`` multiply-accumulates, per image) of one forward pass of ``model``.
+
+    ``input_shape`` is one image's ``(C, H, W)``. The model runs in eval mode under
+    ``torch.no_grad`` on a batch of 2 (so batch-size-1 special cases do not matter) and the
+    count is halved; its training mode is restored afterwards. ``all_passes=True`` calls
+    ``model(x, trace=True)`` (capsule nets: every routing pass is computed). Only what
+    :class:`~torch.utils.flop_counter.FlopCounterMode` counts is included: convolutions and
+    matrix products, not elementwise operations.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = [int(v) for v in input_shape]
+    if len(shape) != 3 or min(shape) < 1:
+        raise UsageError(f"input shape must be (channels, height, width), got {tuple(shape)}")
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            if all_passes:
+                model(x, trace=True)
+            else:
+                model(x)
+    finally:
+        model.train(was_training)
+    return counter.get_total_flops() / 2 / 1e9
+
+
+def _same_architecture(cfg: ModelConfig, name: str) -> bool:
+    from capsctl.registry import get_config
+
+    ref = get_config(name)
+    return all(getattr(cfg, f) == getattr(ref, f) for f in _ARCH_FIELDS)
+
+
+def reference_accuracy(cfg: ModelConfig) -> tuple[float | None, str | None]:
+    """The published test accuracy for this configuration, and its source; (None, None) if none.
+
+    Matched by configuration, not by name: the resnet-backbone capsule nets of Tsai et al. 2020
+    on CIFAR-10/100 (same architecture as ``cifar10-caps`` / ``cifar100-caps``, concurrent
+    routing, T = 1 or 2) and ResNet-18 on CIFAR-10 (3x32x32 input, 10 classes).
+    """
+    if cfg.arch == "resnet18":
+        if cfg.num_classes == 10 and cfg.in_channels == 3 and cfg.input_size == 32:
+            return 0.95, _RESNET_SOURCE
+        return None, None
+    if cfg.arch != "capsnet":
+        return None, None
+    for (name, t), acc in _CAPS_REFERENCE.items():
+        if cfg.iterations == t and _same_architecture(cfg, name):
+            return acc, _CAPS_SOURCE
+    return None, None
+
+
+def _checkpoint_accuracy(path: Path) -> tuple[float | None, str | None]:
+    from capsctl.checkpoint import read_metadata
+
+    meta = read_metadata(path)
+    test = meta.get("test")
+    if isinstance(test, dict) and isinstance(test.get("accuracy"), (int, float)):
+        parts = [str(meta.get("test_name") or test.get("dataset") or "test split")]
+        count = test.get("count")
+        if isinstance(count, int):
+            parts.append(f"{count:,} images")
+        return float(test["accuracy"]), f"checkpoint test ({', '.join(parts)})"
+    metrics = meta.get("metrics")
+    if isinstance(metrics, dict) and isinstance(metrics.get("val_accuracy"), (int, float)):
+        epoch = meta.get("epoch")
+        where = f" (epoch {epoch})" if isinstance(epoch, int) else ""
+        return float(metrics["val_accuracy"]), f"checkpoint val{where}"
+    return None, None
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio < 2 else f"{ratio:.1f}x"
+
+
+def _slower(ratio: float) -> str:
+    """``ratio`` = this time / the reference's time, in words."""
+    return f"{_times(ratio)} slower" if ratio >= 1 else f"{_times(1 / ratio)} faster"
+
+
+def _footer_line(row: CompareRow, ref: CompareRow) -> str:
+    parts = []
+    mine, theirs = row.params["total"], ref.params["total"]
+    if mine <= theirs:
+        parts.append(f"{_times(theirs / mine)} fewer parameters than {ref.name}")
+    else:
+        parts.append(f"{_times(mine / theirs)} the parameters of {ref.name}")
+    if ref.gflops > 0:
+        flops = f"{_times(row.gflops / ref.gflops)} the FLOPs"
+        if row.gflops_all_passes is not None and row.gflops_all_passes != row.gflops:
+            flops += f" ({_times(row.gflops_all_passes / ref.gflops)} with every routing pass)"
+        parts.append(flops)
+    if row.train_step_s and ref.train_step_s:
+        parts.append(f"training step {_slower(row.train_step_s / ref.train_step_s)}")
+    if row.infer_images_per_s and ref.infer_images_per_s:
+        parts.append(f"inference {_slower(ref.infer_images_per_s / row.infer_images_per_s)}")
+    return f"{row.name}: {', '.join(parts)}"
+
+
+def _emit(on_event: EventFn, **event: Any) -> None:
+    if on_event is not None:
+        on_event(event)
+
+
+def compare(
+    specs: Sequence[str],
+    *,
+    speed: bool = False,
+    batch_size: int = 32,
+    iters: int = 3,
+    device: str = "cpu",
+    evaluate: bool = False,
+    data_dir: str | None = None,
+    on_event: EventFn = None,
+) -> CompareReport:
+    """Compare the given targets (see :func:`resolve_target`); one row per target, in order.
+
+    Always: parameters (:func:`capsctl.models.param_groups`), GFLOPs per image
+    (:func:`count_flops`, on the CPU), routing, the checkpoint's stored accuracy (test if the
+    checkpoint has it, else validation) and the published reference accuracy.
+    ``speed=True`` adds :func:`capsctl.bench.run_bench` measurements (``batch_size``, ``iters``
+    timed steps, ``device``). ``evaluate=True`` recomputes checkpoint rows' accuracy on the test
+    split with :func:`capsctl.engine.evaluate_checkpoint` (``data_dir``, ``device``).
+
+    Events: ``{"event": "compare_model", "name", "index", "total"}`` before each target, plus
+    the events of ``run_bench`` and ``evaluate_checkpoint``.
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    if not specs:
+        raise UsageError("nothing to compare; pass at least one model, preset or checkpoint")
+    if speed:
+        from capsctl.bench import resolve_device
+
+        if batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+        if iters < 1:
+            raise UsageError(f"--iters must be >= 1, got {iters}")
+        resolve_device(device)
+    targets = [resolve_target(s) for s in specs]
+
+    rows: list[CompareRow] = []
+    for index, (name, source, cfg, path) in enumerate(targets):
+        _emit(on_event, event="compare_model", name=name, index=index, total=len(targets))
+        try:
+            model = build_model_from_config(cfg)
+        except ValueError as e:  # e.g. an inconsistent custom layer list
+            raise ConfigError(f"{name}: cannot build the model ({e})") from None
+        shape = [cfg.in_channels, cfg.input_size, cfg.input_size]
+        caps = cfg.arch == "capsnet"
+        gflops = count_flops(model, shape)
+        all_passes = count_flops(model, shape, all_passes=True) if caps else None
+        groups = param_groups(model)
+        del model
+        accuracy, accuracy_source = _checkpoint_accuracy(path) if path else (None, None)
+        ref_acc, ref_source = reference_accuracy(cfg)
+        row = CompareRow(
+            name=name,
+            source=source,
+            arch=cfg.arch,
+            num_classes=cfg.num_classes,
+            input=shape,
+            params={k: int(groups[k]) for k in ("total", "backbone", "capsules")},
+            gflops=gflops,
+            routing=cfg.routing if caps else None,
+            iterations=cfg.iterations if caps else None,
+            accuracy=accuracy,
+            accuracy_source=accuracy_source,
+            reference_accuracy=ref_acc,
+            reference_source=ref_source,
+            gflops_all_passes=all_passes,
+        )
+        if speed:
+            _add_speed(
+                row, cfg, batch_size=batch_size, iters=iters, device=device, on_event=on_event
+            )
+        if evaluate and path is not None:
+            _add_evaluation(row, path, data_dir=data_dir, device=device, on_event=on_event)
+        rows.append(row)
+
+    ref = next((r for r in rows if r.arch == "resnet18"), None)
+    footer = [_footer_line(r, ref) for r in rows if ref is not None and r is not ref]
+    return CompareReport(rows=rows, reference=ref.name if ref else None, footer=footer)
+
+
+def _add_speed(
+    row: CompareRow,
+    cfg: ModelConfig,
+    *,
+    batch_size: int,
+    iters: int,
+    device: str,
+    on_event: EventFn,
+) -> None:
+    from capsctl.bench import run_bench
+
+    (bench,) = run_bench(
+        [(row.name, cfg)], batch_size=batch_size, iters=iters, device=device, on_event=on_event
+    )
+    row.train_step_s = bench.train_step_s
+    row.infer_images_per_s = bench.infer_images_per_s
+    row.peak_memory_bytes = (
+        bench.peak_device_bytes if bench.peak_device_bytes is not None else bench.peak_rss_bytes
+    )
+
+
+def _add_evaluation(
+    row: CompareRow, path: Path, *, data_dir: str | None, device: str, on_event: EventFn
+) -> None:
+    from capsctl.engine import evaluate_checkpoint
+
+    result, _ = evaluate_checkpoint(
+        path, data_dir=data_dir, split="test", device=device, on_event=on_event
+    )
+    row.accuracy = float(result.accuracy)
+    row.accuracy_source = f"--eval test ({result.dataset}, {result.count:,} images)"
