@@ -117,10 +117,17 @@ def train_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a run already in --out.")] = False,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override any preset field, e.g. "
                                                     "--set train.lr=0.05 (repeatable).")] = None,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="Launch N processes on this machine with "
+                                              "torchrun (DistributedDataParallel).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a model from a preset; writes best/last.safetensors, metrics.jsonl and preset.yaml."""
     from capsctl import render
+
+    if nproc is not None:
+        _launch_torchrun(nproc)
+        return
+    silent = os.environ.get("RANK", "0") != "0"  # under torchrun only the first process reports
     from capsctl.config import load_preset, preset_from_dict, preset_to_dict
 
     overrides = list(set_ or [])
@@ -147,8 +154,10 @@ def train_cmd(
 
     from capsctl.engine import fit
 
-    with render.TrainProgress(quiet=json_out) as progress:
+    with render.TrainProgress(quiet=json_out or silent) as progress:
         result = fit(p, run_dir, resume=resume, overwrite=overwrite, on_event=progress)
+    if silent:
+        return
     if json_out:
         render.print_json(result.to_dict())
         return
@@ -161,6 +170,33 @@ def train_cmd(
         render.out.print(f"test accuracy {render.fmt_pct(test.accuracy)} on {test.count:,} images "
                          f"({test.dataset}), top-5 {render.fmt_pct(test.top5)}, loss {test.loss:.4f}")
     render.out.print(f"time {result.seconds:.1f} s")
+
+
+def _launch_torchrun(nproc: int) -> None:
+    """Re-run this very command under torchrun with ``nproc`` processes (minus --nproc)."""
+    import subprocess
+
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc}: must be >= 1")
+    args = sys.argv[1:]
+    rest: list[str] = []
+    skip = False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        rest.append(a)
+        del i
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "capsctl", *rest]
+    code = subprocess.call(cmd)
+    if code:
+        sys.exit(code)
 
 
 def _yaml_scalar(v: Any) -> str:
@@ -262,6 +298,65 @@ def bench_cmd(
              f"{torch.get_num_threads()} threads  torch {torch.__version__}")
     render.out.print(render.table(title, cols, body, right=(1, 2, 4, 5, 6, 7, 8, 9)))
     render.note("peak mem: resident memory of the whole process while the model ran (device memory on GPU)")
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+
+
+@app.command("compare")
+def compare_cmd(
+    models: Annotated[list[str], typer.Argument(help="Registered models, presets, aliases (caps, resnet18), "
+                                                "preset files or checkpoints.")],
+    speed: Annotated[bool, typer.Option("--speed", help="Also measure speed and memory (capsctl bench).")] = False,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Batch for --speed.")] = 32,
+    iters: Annotated[int, typer.Option(help="Timed steps for --speed.")] = 3,
+    device: Annotated[str, typer.Option(help="Device for --speed and --eval.")] = "cpu",
+    eval_: Annotated[bool, typer.Option("--eval", help="Recompute checkpoints' accuracy on the test split.")] = False,
+    data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where datasets live (for --eval).")] = None,
+    json_out: JsonOpt = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="Print CSV instead of a table.")] = False,
+) -> None:
+    """Parameters, GFLOPs, speed and accuracy side by side, with ratios against resnet18."""
+    from capsctl import render
+    from capsctl.compare import compare
+
+    if json_out and csv_out:
+        raise UsageError("--json and --csv exclude each other")
+    quiet = json_out or csv_out
+    with render.simple_progress("compare", quiet=quiet) as on_event:
+        report = compare(models, speed=speed, batch_size=batch_size, iters=iters, device=device,
+                         evaluate=eval_, data_dir=data_dir, on_event=on_event)
+    if json_out:
+        render.print_json(report.to_dict())
+        return
+    if csv_out:
+        sys.stdout.write(report.to_csv())
+        return
+    cols = ["model", "params", "backbone", "capsules", "GFLOPs", "all passes", "T"]
+    if speed:
+        cols += ["train step", "infer img/s", "peak mem"]
+    cols += ["accuracy", "published"]
+    body = []
+    for r in report.rows:
+        row = [r.name, render.fmt_int(r.params["total"]), render.fmt_int(r.params["backbone"]),
+               render.fmt_int(r.params["capsules"]), f"{r.gflops:.3f}",
+               "-" if r.gflops_all_passes is None else f"{r.gflops_all_passes:.3f}",
+               "-" if r.iterations is None else f"{r.iterations} {r.routing}"]
+        if speed:
+            row += [render.fmt_s(r.train_step_s),
+                    "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
+                    render.fmt_bytes(r.peak_memory_bytes)]
+        row += [render.fmt_pct(r.accuracy), render.fmt_pct(r.reference_accuracy)]
+        body.append(row)
+    render.out.print(render.table("capsctl compare", cols, body, right=tuple(range(1, len(cols)))))
+    for line in report.footer:
+        render.out.print(line)
+    render.note(report.flops_note)
+    sources = {r.accuracy_source for r in report.rows if r.accuracy_source} | {
+        r.reference_source for r in report.rows if r.reference_source}
+    for src in sorted(sources):
+        render.note(f"accuracy source: {src}")
 
 
 # ---------------------------------------------------------------------------------------------

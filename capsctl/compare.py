@@ -357,7 +357,9 @@ def _slower(ratio: float) -> str:
 def _footer_line(row: CompareRow, ref: CompareRow) -> str:
     parts = []
     mine, theirs = row.params["total"], ref.params["total"]
-    if mine <= theirs:
+    if max(mine, theirs) < 1.005 * min(mine, theirs):
+        parts.append(f"about as many parameters as {ref.name}")
+    elif mine < theirs:
         parts.append(f"{_times(theirs / mine)} fewer parameters than {ref.name}")
     else:
         parts.append(f"{_times(mine / theirs)} the parameters of {ref.name}")

@@ -188,6 +188,7 @@ class TrainConfig:
     deterministic: bool = False
     workers: int = 0
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    sync_bn: bool = False
     time_limit: float | None = None
     steps_per_epoch: int | None = None
 

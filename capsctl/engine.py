@@ -434,13 +434,6 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
     """Keep the metrics lines of the epochs a resumed run already has (drop later ones)."""
     if not path.exists():
@@ -471,15 +464,36 @@ def fit(
     on_event: EventFn = None,
     handle_sigint: bool = True,
 ) -> FitResult:
-    """Train ``preset`` into ``out_dir``; resume from a ``last.safetensors`` if given."""
+    """Train ``preset`` into ``out_dir``; resume from a ``last.safetensors`` if given.
+
+    Started by ``torchrun`` (``WORLD_SIZE`` > 1) it trains with DistributedDataParallel:
+    ``train.batch_size`` is then the global batch, split evenly over the processes.
+    """
+    t_start = time.perf_counter()
+    out = Path(out_dir)
+    t = preset.train
+    device = resolve_device(t.device)
+    dist = Distributed.from_env(device)
+    try:
+        return _fit(preset, out, t, dist, dist.device, resume, overwrite,
+                    on_event if dist.is_main else None, handle_sigint, t_start)
+    finally:
+        dist.close()
+
+
+def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.device,
+         resume: str | Path | None, overwrite: bool, on_event: EventFn, handle_sigint: bool,
+         t_start: float) -> FitResult:
     from capsctl.data import Loader
     from capsctl.models import build_model_from_config, param_groups
 
-    t_start = time.perf_counter()
-    out = Path(out_dir)
-    _check_out_dir(out, resume is not None, overwrite)
-    t = preset.train
-    device = resolve_device(t.device)
+    if dist.is_main:
+        _check_out_dir(out, resume is not None, overwrite)
+    if t.batch_size % dist.world_size:
+        raise ConfigError(
+            f"train.batch_size: {t.batch_size} is the global batch and must be divisible by the "
+            f"{dist.world_size} processes"
+        )
     seed_everything(t.seed, t.deterministic)
     data = prepare_data(preset, on_event)
     _emit(
@@ -492,14 +506,19 @@ def fit(
         classes=len(data.classes),
     )
 
-    model = build_model_from_config(preset.model).to(device)
+    model = build_model_from_config(preset.model)
+    if t.sync_bn and dist.world_size > 1:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(model, preset)
     aug = preset.data.augment
     train_loader = Loader(
         data.train,
-        t.batch_size,
+        t.batch_size // dist.world_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
         shuffle=True,
         seed=t.seed,
         device=device,
@@ -520,7 +539,9 @@ def fit(
         optimizer, lambda step: lr_factor(preset, step, steps_per_epoch)
     )
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
-    step_fn = torch.compile(model) if t.compile else model
+    step_fn: nn.Module = dist.wrap(model)
+    if t.compile:
+        step_fn = torch.compile(step_fn)  # type: ignore[assignment]
 
     start_epoch, best_acc, best_epoch = 0, -1.0, None
     partial: dict[str, Any] | None = None
@@ -547,11 +568,13 @@ def fit(
         best = meta.get("best") or {}
         best_acc = float(best.get("val_accuracy", -1.0))
         best_epoch = best.get("epoch")
-        history = _truncate_metrics(out / METRICS, start_epoch)
+        if dist.is_main:
+            history = _truncate_metrics(out / METRICS, start_epoch)
         _emit(on_event, "resume", path=str(resume), epoch=start_epoch)
 
-    out.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(out / RESOLVED_PRESET, dump_yaml(preset))
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_text_atomic(out / RESOLVED_PRESET, dump_yaml(preset))
     base_meta = {
         "preset": preset_to_dict(preset),
         "classes": data.classes,
@@ -573,6 +596,8 @@ def fit(
         return shadow
 
     def save_last(epoch: int, metrics: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        if not dist.is_main:
+            return
         st, sm = pack_training_state(
             optimizer.state_dict(),
             _sched_state(scheduler),
@@ -591,6 +616,28 @@ def fit(
             meta.update(extra)
         save_checkpoint(out / LAST, {**model_tensors(model), **st}, meta)
         _emit(on_event, "checkpoint", path=str(out / LAST), epoch=epoch)
+
+    def _end_epoch(record: dict[str, Any]) -> tuple[float, int | None]:
+        """Validation, best/last checkpoints and the metrics line (main process only)."""
+        nonlocal best_acc, best_epoch
+        if data.val is not None:
+            ev = evaluate(eval_model(), data.val, batch_size=t.eval_batch_size, device=device,
+                          mean=data.mean, std=data.std, classes=data.classes, split="val", amp=t.amp)
+            record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
+            improved = ev.accuracy > best_acc
+        else:
+            improved = True
+        if improved:
+            best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
+            best_epoch = int(record["epoch"])
+            save_checkpoint(out / BEST, model_tensors(eval_model()),
+                            {**base_meta, "epoch": record["epoch"], "metrics": record, "kind": "best"})
+        record["best"] = improved
+        history.append(record)
+        _write_text_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+        save_last(int(record["epoch"]), record)
+        _emit(on_event, "epoch_end", **record, epochs=t.epochs)
+        return best_acc, best_epoch
 
     interrupted = False
     epoch = start_epoch
@@ -620,7 +667,10 @@ def fit(
                 with _autocast(device, t.amp):
                     logits = step_fn(x)
                     loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
-                if not torch.isfinite(loss):
+                # with several processes, every rank learns of a bad loss or a Ctrl-C at once
+                bad, stop = dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
+                flag["stop"] = stop
+                if bad:
                     where = f"epoch {epoch + 1}, step {step + 1}"
                     kept = (
                         f"the last good checkpoint ({out / LAST}) is kept"
@@ -628,7 +678,8 @@ def fit(
                         else "no checkpoint was written yet"
                     )
                     raise CapsctlError(
-                        f"loss became {float(loss)} at {where}; {kept}. Lower train.lr or set train.grad_clip"
+                        f"loss became {float(loss.detach())} at {where}; {kept}. Lower train.lr or set "
+                        "train.grad_clip"
                     )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -678,6 +729,7 @@ def fit(
                 interrupted = True
                 break
             train_time = time.perf_counter() - t0
+            loss_sum, correct, seen = dist.sum_stats(loss_sum, correct, seen)
             record: dict[str, Any] = {
                 "epoch": epoch + 1,
                 "train_loss": float(loss_sum) / max(seen, 1),
@@ -686,37 +738,13 @@ def fit(
                 "epoch_seconds": train_time,
                 "images_per_s": seen / max(train_time, 1e-9),
             }
-            if data.val is not None:
-                ev = evaluate(
-                    eval_model(),
-                    data.val,
-                    batch_size=t.eval_batch_size,
-                    device=device,
-                    mean=data.mean,
-                    std=data.std,
-                    classes=data.classes,
-                    split="val",
-                    amp=t.amp,
-                )
-                record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
-                improved = ev.accuracy > best_acc
+            if dist.is_main:
+                best_acc, best_epoch = _end_epoch(record)
             else:
-                improved = True
-            if improved:
-                best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
-                best_epoch = epoch + 1
-                shadow = eval_model()
-                save_checkpoint(
-                    out / BEST,
-                    model_tensors(shadow),
-                    {**base_meta, "epoch": epoch + 1, "metrics": record, "kind": "best"},
-                )
-            record["best"] = improved
-            history.append(record)
-            _append_jsonl(out / METRICS, record)
-            save_last(epoch + 1, record)
-            _emit(on_event, "epoch_end", **record, epochs=t.epochs)
-            if t.time_limit is not None and time.perf_counter() - t_start > t.time_limit:
+                history.append(record)
+            dist.barrier()
+            over_time = t.time_limit is not None and time.perf_counter() - t_start > t.time_limit
+            if dist.any_flags(over_time)[0]:
                 _emit(on_event, "time_limit", epoch=epoch + 1)
                 break
 
@@ -728,7 +756,7 @@ def fit(
         )
 
     test_result = None
-    if (out / BEST).exists():
+    if dist.is_main and (out / BEST).exists():
         from capsctl.checkpoint import load_checkpoint
 
         best_model, best_meta = load_checkpoint(out / BEST, device=device)
@@ -761,13 +789,96 @@ def fit(
         time.perf_counter() - t_start,
         history,
     )
-    _write_text_atomic(out / "results.json", json.dumps(result.to_dict(), indent=2))
+    if dist.is_main:
+        _write_text_atomic(out / "results.json", json.dumps(result.to_dict(), indent=2))
     return result
 
 
 def _sched_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
     # LambdaLR stores ``lr_lambdas`` as [None] for plain functions: the state is JSON-able.
     return scheduler.state_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes (torchrun)
+
+
+@dataclass
+class Distributed:
+    """Process-group facts for a run started by ``torchrun`` (one process: a no-op).
+
+    ``torchrun --nproc_per_node=N -m capsctl train ...`` sets ``RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_RANK``; each process then trains on its slice of every global batch with
+    DistributedDataParallel (gloo on CPU, NCCL on CUDA) and only rank 0 writes files and logs.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: torch.device) -> Distributed:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls(device=device)
+        import torch.distributed as tdist
+
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device.type == "cuda":
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        here = False
+        if not tdist.is_initialized():
+            tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            here = True
+        return cls(rank, world, local, device, here)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.world_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.local_rank] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def any_flags(self, *flags: bool) -> tuple[bool, ...]:
+        """Logical OR of each flag over all processes."""
+        if self.world_size == 1:
+            return tuple(bool(f) for f in flags)
+        import torch.distributed as tdist
+
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        tdist.all_reduce(t)
+        return tuple(bool(v > 0) for v in t.tolist())
+
+    def sum_stats(self, loss_sum: Tensor, correct: Tensor, seen: int) -> tuple[Tensor, Tensor, int]:
+        if self.world_size == 1:
+            return loss_sum, correct, seen
+        import torch.distributed as tdist
+
+        t = torch.stack([loss_sum.double(), correct.double(), torch.tensor(float(seen), device=self.device,
+                                                                         dtype=torch.float64)])
+        tdist.all_reduce(t)
+        return t[0], t[1].round().long(), int(t[2].item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as tdist
+
+            tdist.barrier()
+
+    def close(self) -> None:
+        if self.initialized_here:
+            import torch.distributed as tdist
+
+            tdist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Only the CLI imports this module. ``NO_COLOR`` is honoured by rich itself.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,8 +24,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+def _width(stream: object) -> int | None:
+    """Terminal width for a TTY (rich decides); a wide page when output is piped or captured."""
+    if os.environ.get("COLUMNS"):
+        return None
+    isatty = getattr(stream, "isatty", None)
+    return None if callable(isatty) and isatty() else 160
+
+
+out = Console(highlight=False, width=_width(sys.stdout))
+err = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
 def print_json(doc: Any) -> None:

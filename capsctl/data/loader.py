@@ -41,7 +41,10 @@ class Loader:
     mirrored left-right with probability 1/2. Both are applied whenever they are enabled,
     independent of ``shuffle``; pass ``crop_padding=0, hflip=False`` for evaluation.
 
-    Sharding: with ``world_size > 1`` the epoch's permutation is split into ``world_size``
+    Sharding: with ``world_size > 1`` and ``drop_last`` (training), rank ``r`` takes the
+    ``r``-th slice of every global batch of ``batch_size * world_size`` samples, so the ranks
+    together train on exactly the batches (and augmentations) of a single process whose batch
+    is the global batch. Otherwise the epoch's permutation is split into ``world_size``
     contiguous, disjoint, equal-size blocks and rank ``rank`` gets block ``rank``. Without
     ``drop_last`` the permutation is first extended by wrapping around so that every rank has
     ``ceil(N / world_size)`` samples (a few samples then appear twice in the epoch); with
@@ -133,8 +136,20 @@ class Loader:
             order = order.repeat(math.ceil(total / n))
         order = order[:total]
         span = 2 * self.crop_padding + 1
-        offsets = torch.randint(0, span, (2, total), generator=gen)
-        flips = torch.randint(0, 2, (total,), generator=gen).bool()
+        # Draw at least one value per image so that the draws do not depend on world_size.
+        draws = max(total, n)
+        offsets = torch.randint(0, span, (2, draws), generator=gen)
+        flips = torch.randint(0, 2, (draws,), generator=gen).bool()
+        if self.world_size > 1 and self.drop_last:
+            # Rank r takes the r-th slice of every global batch of batch_size * world_size
+            # samples, so the ranks together see exactly the batches of one process.
+            g = self.batch_size * self.world_size
+            pos = (
+                torch.arange(self._num_batches)[:, None] * g
+                + self.rank * self.batch_size
+                + torch.arange(self.batch_size)[None, :]
+            ).flatten()  # [num_batches * batch_size]
+            return order[pos], offsets[0, pos], offsets[1, pos], flips[pos]
         block = slice(self.rank * self.num_samples, (self.rank + 1) * self.num_samples)
         return order[block], offsets[0, block], offsets[1, block], flips[block]
 

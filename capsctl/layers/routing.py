@@ -31,18 +31,47 @@ from torch import Tensor
 CHUNK_BYTES = 4 * 2**20
 
 
-def _chunk_size(j: int, m: int, d: int, itemsize: int, total: int) -> int:
-    per_site = max(1, j * m * d * itemsize)
-    return max(1, min(total, CHUNK_BYTES // per_site))
+def _tiles(j: int, bsz: int, m: int, d: int, itemsize: int) -> tuple[int, int]:
+    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``CHUNK_BYTES``.
+
+    Whole rows of sites come first: the votes of one child at many sites are one tall matrix
+    product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
+    """
+    per_site = max(1, m * d * itemsize)
+    bc = max(1, min(bsz, CHUNK_BYTES // per_site))
+    jc = max(1, min(j, CHUNK_BYTES // (per_site * bc)))
+    return jc, bc
 
 
-def _votes(xc: Tensor, wf: Tensor, a: int, m: int, c: int) -> Tensor:
-    """Votes of one chunk, laid out parent-major: ``[J, Bc, m, a*c]``."""
-    j, bc = xc.shape[0], xc.shape[1]
-    xd = xc.shape[3]
-    v = torch.bmm(xc.reshape(j, bc * a, xd), wf)  # [J, Bc*a, m*c]
-    v = v.view(j, bc, a, m, c).permute(0, 1, 3, 2, 4)  # [J, Bc, m, a, c]
-    return v.reshape(j, bc, m, a * c)  # [J, Bc, m, d]
+def _votes(xc: Tensor, wc: Tensor, m: int, buf: Tensor) -> Tensor:
+    """Votes of one chunk written into ``buf``, laid out ``[Jc, Bc, a*c, m]``.
+
+    ``xc[Jc, Bc, a, x]``, ``wc[Jc, x, c*m]``. The parent type is innermost, so no permute is
+    needed, coefficients ``[Jc, Bc, 1, m]`` broadcast over a contiguous row, and the agreement
+    reduces the middle dim.
+    """
+    jc, bc, a, xd = xc.shape
+    cm = wc.shape[2]
+    v = buf[: jc * bc * a * cm].view(jc, bc * a, cm)  # [Jc, Bc*a, c*m]
+    torch.bmm(xc.reshape(jc, bc * a, xd), wc, out=v)  # [Jc, Bc*a, c*m]
+    return v.view(jc, bc, a * cm // m, m)  # [Jc, Bc, d, m]
+
+
+def _dot_d(v: Tensor, q: Tensor, buf: Tensor) -> Tensor:
+    """``sum_d v * q`` for ``v[Jc, Bc, d, m]``, ``q[Bc, d, m]``, using ``buf`` as scratch."""
+    t = buf[: v.numel()].view_as(v)  # [Jc, Bc, d, m]
+    torch.mul(v, q, out=t)  # [Jc, Bc, d, m]
+    return t.sum(2)  # [Jc, Bc, m]
+
+
+def _sum_j(acc: Tensor, v: Tensor, coef: Tensor) -> None:
+    """``acc += sum_J coef * v`` for ``acc[Bc, d, m]``, ``v[Jc, Bc, d, m]``, ``coef[Jc, Bc, m]``;
+    overwrites ``v``."""
+    if v.shape[0] == 1:
+        acc.addcmul_(v[0], coef[0].unsqueeze(1))  # [Bc, d, m]
+    else:
+        v.mul_(coef.unsqueeze(2))  # [Jc, Bc, d, m]
+        acc.add_(v.sum(0))  # [Bc, d, m]
 
 
 def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -54,23 +83,39 @@ def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tupl
     return s, r
 
 
+def _weights_cm(w: Tensor) -> Tensor:
+    j, xd, m, c = w.shape
+    return w.permute(0, 1, 3, 2).reshape(j, xd, c * m)  # [J, x, c*m]
+
+
+def _site_major(p: Tensor) -> Tensor:
+    bsz, m, a, c = p.shape
+    return p.permute(0, 2, 3, 1).reshape(bsz, a * c, m)  # [B, d, m]
+
+
 def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
-    wf = w.reshape(j, xd, m * c)  # [J, x, m*c]
-    pf = p.reshape(bsz, m, d)  # [B, m, d]
-    s = x.new_empty(bsz, m, d)
-    r = x.new_empty(j, bsz, m)
-    step = _chunk_size(j, m, d, x.element_size(), bsz)
-    for b0 in range(0, bsz, step):
-        b1 = min(bsz, b0 + step)
-        v = _votes(x[:, b0:b1], wf, a, m, c)  # [J, Bc, m, d]
-        logits = (v * pf[b0:b1]).sum(-1)  # [J, Bc, m]
-        rc = torch.softmax(logits.mul_(scale), dim=-1)  # [J, Bc, m]
-        r[:, b0:b1] = rc
-        s[b0:b1] = (v * rc.unsqueeze(-1)).sum(0)  # [Bc, m, d]
-    return s.view(bsz, m, a, c), r
+    x = x.contiguous()
+    wc = _weights_cm(w)  # [J, x, c*m]
+    pq = _site_major(p)  # [B, d, m]
+    s = x.new_zeros(bsz, d, m)  # [B, d, m]
+    r = x.new_empty(j, bsz, m)  # [J, B, m]
+    jc, bc = _tiles(j, bsz, m, d, x.element_size())
+    vbuf = x.new_empty(jc * bc * d * m)
+    tbuf = x.new_empty(jc * bc * d * m)
+    for b0 in range(0, bsz, bc):
+        b1 = min(bsz, b0 + bc)
+        for j0 in range(0, j, jc):
+            j1 = min(j, j0 + jc)
+            v = _votes(x[j0:j1, b0:b1], wc[j0:j1], m, vbuf)  # [Jc, Bc, d, m]
+            logits = _dot_d(v, pq[b0:b1], tbuf)  # [Jc, Bc, m]
+            rc = torch.softmax(logits.mul_(scale), dim=-1)  # [Jc, Bc, m]
+            r[j0:j1, b0:b1] = rc
+            _sum_j(s[b0:b1], v, rc)
+    s = s.view(bsz, a, c, m).permute(0, 3, 1, 2).contiguous()  # [B, m, a, c]
+    return s, r
 
 
 class RoutedPass(torch.autograd.Function):
@@ -91,42 +136,44 @@ class RoutedPass(torch.autograd.Function):
         j, bsz, a, xd = x.shape
         m, c = w.shape[2], w.shape[3]
         d = a * c
-        wf = w.reshape(j, xd, m * c)  # [J, x, m*c]
-        wt = wf.transpose(1, 2)  # [J, m*c, x]
-        pf = p.reshape(bsz, m, d)  # [B, m, d]
-        gsf = gs.reshape(bsz, m, d)  # [B, m, d]
+        x = x.contiguous()
+        wc = _weights_cm(w)  # [J, x, c*m]
+        wt = wc.transpose(1, 2)  # [J, c*m, x]
+        pq = _site_major(p)  # [B, d, m]
+        gq = _site_major(gs)  # [B, d, m]
         need_x, need_w, need_p = ctx.needs_input_grad[:3]
-        gx = torch.empty_like(x) if need_x else None
-        gw = torch.zeros_like(wf) if need_w else None
-        gp = torch.empty_like(pf) if need_p else None
-        step = _chunk_size(j, m, d, x.element_size(), bsz)
-        for b0 in range(0, bsz, step):
-            b1 = min(bsz, b0 + step)
-            bc = b1 - b0
-            xc = x[:, b0:b1]  # [J, Bc, a, x]
-            v = _votes(xc, wf, a, m, c)  # [J, Bc, m, d]
-            rc = r[:, b0:b1]  # [J, Bc, m]
-            gsc = gsf[b0:b1]  # [Bc, m, d]
-            dr = (v * gsc).sum(-1)  # [J, Bc, m]
-            # softmax backward over m, then the agreement's scale
-            da = rc * (dr - (rc * dr).sum(-1, keepdim=True))  # [J, Bc, m]
-            da.mul_(scale)
-            if gp is not None:
-                gp[b0:b1] = (v * da.unsqueeze(-1)).sum(0)  # [Bc, m, d]
-            if gx is None and gw is None:
-                continue
-            gv = rc.unsqueeze(-1) * gsc  # [J, Bc, m, d]
-            gv.addcmul_(da.unsqueeze(-1), pf[b0:b1])  # [J, Bc, m, d]
-            gv = gv.view(j, bc, m, a, c).permute(0, 1, 3, 2, 4)  # [J, Bc, a, m, c]
-            gv = gv.reshape(j, bc * a, m * c)  # [J, Bc*a, m*c]
-            if gx is not None:
-                gx[:, b0:b1] = torch.bmm(gv, wt).view(j, bc, a, xd)  # [J, Bc, a, x]
-            if gw is not None:
-                gw.baddbmm_(xc.reshape(j, bc * a, xd).transpose(1, 2), gv)  # [J, x, m*c]
+        gx = torch.empty_like(x) if need_x else None  # [J, B, a, x]
+        gw = torch.zeros_like(wc) if need_w else None  # [J, x, c*m]
+        gp = x.new_zeros(bsz, d, m) if need_p else None  # [B, d, m]
+        jc, bc = _tiles(j, bsz, m, d, x.element_size())
+        vbuf = x.new_empty(jc * bc * d * m)
+        tbuf = x.new_empty(jc * bc * d * m)
+        for b0 in range(0, bsz, bc):
+            b1 = min(bsz, b0 + bc)
+            for j0 in range(0, j, jc):
+                j1 = min(j, j0 + jc)
+                xc = x[j0:j1, b0:b1]  # [Jc, Bc, a, x]
+                v = _votes(xc, wc[j0:j1], m, vbuf)  # [Jc, Bc, d, m]
+                rc = r[j0:j1, b0:b1]  # [Jc, Bc, m]
+                dr = _dot_d(v, gq[b0:b1], tbuf)  # [Jc, Bc, m]
+                # softmax backward over m, then the agreement's scale
+                da = rc * (dr - (rc * dr).sum(-1, keepdim=True))  # [Jc, Bc, m]
+                da.mul_(scale)
+                if gp is not None:
+                    _sum_j(gp[b0:b1], v, da)
+                if gx is None and gw is None:
+                    continue
+                gv = torch.mul(rc.unsqueeze(2), gq[b0:b1], out=v)  # [Jc, Bc, d, m]
+                gv.addcmul_(da.unsqueeze(2), pq[b0:b1])  # [Jc, Bc, d, m]
+                gv = gv.view(j1 - j0, (b1 - b0) * a, c * m)  # [Jc, Bc*a, c*m]
+                if gx is not None:
+                    gx[j0:j1, b0:b1] = torch.bmm(gv, wt[j0:j1]).view(j1 - j0, b1 - b0, a, xd)  # [Jc, Bc, a, x]
+                if gw is not None:
+                    gw[j0:j1].baddbmm_(xc.reshape(j1 - j0, (b1 - b0) * a, xd).transpose(1, 2), gv)  # [Jc, x, c*m]
         return (
             gx,
-            gw.view_as(w) if gw is not None else None,
-            gp.view_as(p) if gp is not None else None,
+            gw.view(j, xd, c, m).permute(0, 1, 3, 2).contiguous() if gw is not None else None,  # [J, x, m, c]
+            gp.view(bsz, a, c, m).permute(0, 3, 1, 2).contiguous() if gp is not None else None,  # [B, m, a, c]
             None,
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from capsctl.errors import ConfigError
@@ -93,6 +94,19 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
     return plan
 
 
+class PerClassHead(nn.Module):
+    """``logit_c = w_c . p_c + b_c``: a separate linear read-out per class capsule."""
+
+    def __init__(self, classes: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(classes, dim))
+        self.bias = nn.Parameter(torch.zeros(classes))
+        nn.init.uniform_(self.weight, -(dim**-0.5), dim**-0.5)
+
+    def forward(self, poses: Tensor) -> Tensor:
+        return (poses * self.weight).sum(-1, keepdim=True) + self.bias[:, None]  # [b, classes, 1]
+
+
 class CapsNet(nn.Module):
     """Backbone -> primary capsules -> capsule layers -> class capsules -> shared linear head.
 
@@ -150,7 +164,8 @@ class CapsNet(nn.Module):
                 g = item["in_grid"]
                 self._child_grids.append((g, g, item["child_types"]) if g is not None else None)  # type: ignore[arg-type]
         self.capsules = nn.ModuleList(layers)
-        self.head = nn.Linear(self.capsules[-1].out_dim, 1)
+        dim = self.capsules[-1].out_dim
+        self.head = nn.Linear(dim, 1) if cfg.head == "shared" else PerClassHead(cfg.num_classes, dim)
 
     def set_routing(self, iterations: int | None = None, mode: str | None = None) -> None:
         """Change T or the schedule without touching the weights."""

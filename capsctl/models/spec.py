@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Arch = Literal["capsnet", "cnn", "resnet18"]
+Arch = Literal["capsnet", "capsnet-dynamic", "capsnet-em", "cnn", "resnet18"]
 Backbone = Literal["simple", "resnet"]
 PoseKind = Literal["matrix", "vector"]
 RoutingMode = Literal["concurrent", "sequential"]
@@ -43,6 +43,9 @@ class ModelConfig:
     dim ``class_pose_dim``, default: the last layer's) -> one shared ``Linear(D, 1)`` per class.
     ``arch: cnn`` is a plain CNN with the same backbone and the same layer widths.
     ``arch: resnet18`` is torchvision's ResNet-18 with the CIFAR stem.
+    ``arch: capsnet-dynamic`` / ``capsnet-em`` use the same layer list with dynamic routing
+    (Sabour et al. 2017) or EM routing (Hinton et al. 2018) instead.
+    ``head``: ``shared`` (one ``Linear(D, 1)`` for every class, the paper's) or ``per_class``.
     """
 
     arch: Arch = "capsnet"
@@ -60,6 +63,7 @@ class ModelConfig:
     dropout: float = 0.0
     layer_norm: bool = True
     agreement_scale: bool = True
+    head: Literal["shared", "per_class"] = "shared"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,281 @@
+"""Bad input gets one line and the right exit code; killed runs leave complete files and resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from capsctl.checkpoint import load_checkpoint, load_tensors, read_metadata
+from capsctl.cli import main
+
+TINY = [
+    "--set", "model.primary_types=4",
+    "--set", "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
+    "--set", "train.steps_per_epoch=4", "--set", "data.val_size=200", "--batch-size", "16",
+    "--device", "cpu",
+]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("good")
+    main(["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out", str(out), "--overwrite", "--json"])
+    return out / "best.safetensors"
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("touch /tmp/capsctl-pwned",))
+
+
+def _cifar_folder(tmp: Path, evil: bool) -> Path:
+    folder = tmp / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    batch = {b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 3]}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(folder / name, "wb") as f:
+            pickle.dump(_Evil() if evil and name == "data_batch_1" else batch, f, protocol=2)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, f, protocol=2)
+    return tmp
+
+
+def _imagefolder(tmp: Path) -> str:
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for cls in ("a", "b"):
+            d = tmp / "imgs" / split / cls
+            d.mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((28, 28), 40 * i, np.uint8)).save(d / f"{i}.png")
+    (tmp / "imgs" / "train" / "a" / "broken.png").write_bytes(b"not a png")
+    return f"imagefolder:{tmp / 'imgs'}"
+
+
+def _yaml(tmp: Path, text: str) -> str:
+    p = tmp / "p.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def _mismatched(tmp: Path, good: Path) -> Path:
+    tensors = load_tensors(good)
+    meta = read_metadata(good)
+    tensors.pop(next(k for k in tensors if k.startswith("model.")))
+    from capsctl.checkpoint import save_checkpoint
+
+    dst = tmp / "mismatch.safetensors"
+    save_checkpoint(dst, tensors, meta)
+    return dst
+
+
+def _foreign(tmp: Path) -> Path:
+    dst = tmp / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(dst))
+    return dst
+
+
+def _truncated(tmp: Path, good: Path) -> Path:
+    data = good.read_bytes()
+    return _write(tmp / "trunc.safetensors", data[: len(data) // 2])
+
+
+Case = Callable[[Path, Path], list[str]]
+
+CASES: dict[str, tuple[Case, int, str]] = {
+    "corrupt checkpoint": (lambda t, g: ["eval", str(_write(t / "c.safetensors", os.urandom(300)))], 1,
+                           "c.safetensors"),
+    "truncated checkpoint": (lambda t, g: ["eval", str(_truncated(t, g))], 1, "trunc.safetensors"),
+    "foreign safetensors": (lambda t, g: ["eval", str(_foreign(t))], 1, "not written by capsctl"),
+    "pickle checkpoint": (lambda t, g: ["eval", str(_write(t / "m.pt", b"PK\x03\x04" + b"\0" * 100))], 1,
+                          "m.pt"),
+    "metadata does not match tensors": (lambda t, g: ["eval", str(_mismatched(t, g))], 1,
+                                        "does not match its tensors"),
+    "yaml syntax error": (lambda t, g: ["train", "--preset", _yaml(t, "train: {epochs: 3\n")], 2, "p.yaml"),
+    "unknown key": (lambda t, g: ["train", "--preset", _yaml(t, "train: {epoch: 3}\n")], 2, "train.epoch"),
+    "wrong type": (lambda t, g: ["train", "--preset", _yaml(t, "train: {epochs: many}\n")], 2, "train.epochs"),
+    "out of range (yaml)": (lambda t, g: ["train", "--preset", _yaml(t, "model: {base: mnist-caps, dropout: 2}\n")],
+                            2, "model.dropout"),
+    "out of range (--set)": (lambda t, g: ["train", "--preset", "quickstart", "--set", "train.momentum=1.5"], 2,
+                             "train.momentum"),
+    "out of range (flag)": (lambda t, g: ["train", "--preset", "quickstart", "--epochs", "0"], 2, "train.epochs"),
+    "unknown preset": (lambda t, g: ["train", "--preset", "no-such-preset"], 2, "unknown preset"),
+    "unknown model": (lambda t, g: ["train", "--preset", _yaml(t, "model: no-such-model\n")], 2, "unknown model"),
+    "missing dataset": (lambda t, g: ["train", "--preset", "mnist-caps", "--data-dir", str(t / "empty"),
+                                      "--set", "data.download=false"], 1, "mnist"),
+    "malformed dataset file": (lambda t, g: _malformed_idx(t), 1, "train-images"),
+    "pickle that asks for code": (lambda t, g: ["train", "--preset", "cifar10-caps-simple", "--data-dir",
+                                                str(_cifar_folder(t, evil=True)), "--set", "data.download=false",
+                                                "--set", "data.val_size=0"], 1, "refuses"),
+    "unreadable image in a folder": (lambda t, g: ["train", "--preset", "quickstart", "--set",
+                                                   f"data.dataset={_imagefolder(t)}"], 1, "broken.png"),
+    "output folder holds a run": (lambda t, g: ["train", "--preset", "quickstart", "--out", str(g.parent)], 2,
+                                  "already holds a run"),
+    "export path not writable": (lambda t, g: ["export", str(g), "--format", "safetensors", "--out",
+                                               str(t / "missing" / "x.safetensors")], 1, "x.safetensors"),
+}
+
+
+def _malformed_idx(tmp: Path) -> list[str]:
+    d = tmp / "mnist"
+    d.mkdir(parents=True)
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (d / name).write_bytes(b"\x00\x00\x08\x03garbage")
+    return ["train", "--preset", "mnist-caps", "--data-dir", str(tmp), "--set", "data.download=false"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line(case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                               good_ckpt: Path) -> None:
+    make, code, needle = CASES[case]
+    args = make(tmp_path, good_ckpt)
+    got, _, err = run_cli(capsys, args)
+    assert got == code, err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not Path("/tmp/capsctl-pwned").exists()
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    main(["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out", str(out), "--json"])
+    capsys.readouterr()
+    before = (out / "last.safetensors").read_bytes()
+    import capsctl.checkpoint as ck
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck, "_write_all", full)
+    best_before = (out / "best.safetensors").read_bytes()
+    code, _, err = run_cli(capsys, ["train", "--resume", str(out / "last.safetensors"), "--epochs", "2",
+                                    "--json"])
+    assert code == 1 and "No space left on device" in err and "previous file is unchanged" in err
+    assert len(err.strip().splitlines()) == 1
+    assert (out / "last.safetensors").read_bytes() == before
+    assert (out / "best.safetensors").read_bytes() == best_before
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_non_finite_loss_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, ["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out",
+                                    str(tmp_path), "--set", "train.optimizer=sgd", "--lr", "1e30",
+                                    "--set", "train.schedule=constant", "--json"])
+    assert code == 1 and "loss became" in err and "step" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals
+
+
+def _cmd(out: Path, resume: bool) -> list[str]:
+    base = [sys.executable, "-m", "capsctl", "train"]
+    if resume:
+        return [*base, "--resume", str(out / "last.safetensors"), "--json"]
+    return [*base, "--preset", "quickstart", *TINY, "--epochs", "5", "--set", "train.time_limit=null",
+            "--out", str(out), "--json"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _check_final_files(out: Path) -> None:
+    """Every file with a final name is complete and loadable."""
+    for p in out.iterdir():
+        if p.name.startswith("."):
+            continue  # temporary files of an interrupted write
+        if p.suffix == ".safetensors":
+            load_checkpoint(p)
+            load_tensors(p)
+        elif p.name == "metrics.jsonl":
+            for line in p.read_text().splitlines():
+                json.loads(line)
+        elif p.suffix == ".json":
+            json.loads(p.read_text())
+        elif p.suffix == ".yaml":
+            from capsctl.config import load_preset
+
+            load_preset(str(p))
+
+
+def test_sigint_saves_a_resumable_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out, False), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "--resume" in err and len(err.strip().splitlines()) == 1
+    _check_final_files(out)
+    res = subprocess.run(_cmd(out, True), capture_output=True, text=True, env=_env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["epochs_done"] == 5
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
+    """Kill a real training process 10 times at random moments; files stay whole; it finishes."""
+    rng = random.Random(1234)
+    out = tmp_path / "run"
+    kills = 0
+    while kills < 10:
+        resume = (out / "last.safetensors").exists()
+        proc = subprocess.Popen(_cmd(out, resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env=_env())
+        time.sleep(rng.uniform(1.0, 9.0))
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            assert proc.returncode == 0, err[-2000:]
+            break  # finished before the kill
+        proc.kill()
+        proc.wait()
+        kills += 1
+        if out.exists():
+            _check_final_files(out)
+    res = subprocess.run(_cmd(out, (out / "last.safetensors").exists()), capture_output=True, text=True,
+                         env=_env(), timeout=600)
+    if res.returncode != 0:  # already complete: a finished run refuses nothing but has nothing left
+        pytest.fail(res.stderr[-2000:])
+    _check_final_files(out)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == [1, 2, 3, 4, 5]
+    assert read_metadata(out / "last.safetensors")["epoch"] == 5
+    assert kills >= 5
