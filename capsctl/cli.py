@@ -234,9 +234,15 @@ def eval_cmd(
         return
     render.out.print(f"[bold]{ckpt}[/]  epoch {meta.get('epoch')}  {res.split} split of {res.dataset}: "
                      f"{res.count:,} images")
-    render.out.print(f"top-1 {render.fmt_pct(res.accuracy)}  top-5 {render.fmt_pct(res.top5)}  "
+    name = "top-1" if res.metric == "top-1" else res.metric
+    render.out.print(f"{name} {render.fmt_pct(res.accuracy)}  top-5 {render.fmt_pct(res.top5)}  "
                      f"loss {res.loss:.4f}  {res.images_per_s:.0f} images/s")
     n = len(res.classes)
+    if not res.confusion:  # multi-label data: per-class recall only
+        render.out.print(render.table("Per-class recall", ["class", "recall"],
+                                      [[c, render.fmt_pct(r, 1)] for c, r in zip(res.classes, res.per_class)],
+                                      right=(1,)))
+        return
     short = [c[:6] for c in res.classes]
     rows = [[res.classes[i], render.fmt_pct(res.per_class[i], 1), sum(res.confusion[i]),
              *res.confusion[i]] for i in range(n)]

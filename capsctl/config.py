@@ -179,6 +179,7 @@ class TrainConfig:
     gamma: float = 0.1
     warmup_epochs: float = 0.0
     label_smoothing: float = 0.0
+    loss: Literal["auto", "cross_entropy", "bce", "margin", "spread"] = "auto"
     grad_clip: float | None = None
     ema_decay: float | None = None
     amp: bool = False

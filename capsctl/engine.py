@@ -141,6 +141,7 @@ class EvalResult:
     classes: list[str]
     images_per_s: float
     seconds: float
+    metric: str = "top-1"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -166,6 +167,9 @@ def evaluate(
     loader = Loader(ds, batch_size, shuffle=False, device=device, mean=mean, std=std)
     model.eval()
     n_cls = len(classes)
+    if ds.labels.dim() == 2:
+        return _evaluate_multi_label(model, loader, ds, device=device, classes=classes, split=split,
+                                     amp=amp, on_event=on_event)
     confusion = torch.zeros(n_cls, n_cls, dtype=torch.int64)
     loss_sum, top5_hits, count = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -200,6 +204,85 @@ def evaluate(
         images_per_s=count / max(seconds, 1e-9),
         seconds=seconds,
     )
+
+
+def _evaluate_multi_label(model: nn.Module, loader: Any, ds: Any, *, device: torch.device,
+                          classes: list[str], split: str, amp: bool, on_event: EventFn) -> EvalResult:
+    """Multi-label data (DiverseMultiMNIST): the paper's metric — for two digits the top-2
+    classes equal the two labels, for one digit the top-1 class equals it. ``per_class`` is the
+    recall of each class (share of its appearances found among the top-k, k = digits in the
+    image); ``top5``: share of images whose labels are all among the top 5; loss: binary
+    cross-entropy per class."""
+    from capsctl.data.multimnist import multi_hot, top2_correct
+
+    n_cls = len(classes)
+    hits = torch.zeros(n_cls, dtype=torch.int64)
+    seen = torch.zeros(n_cls, dtype=torch.int64)
+    loss_sum, correct, top5_hits, count = 0.0, 0, 0, 0
+    t0 = time.perf_counter()
+    for step, (x, y) in enumerate(loader):
+        with _autocast(device, amp):
+            logits = model(x)
+        logits = logits.float()
+        target = multi_hot(y, n_cls)
+        loss_sum += float(F.binary_cross_entropy_with_logits(logits, target, reduction="sum")) / n_cls
+        correct += int(top2_correct(logits, y).sum())
+        k = (y >= 0).sum(1)  # digits per image
+        top2 = logits.topk(2, 1).indices
+        found = torch.zeros_like(target)
+        found.scatter_(1, top2[:, :1], 1.0)
+        found[k == 2] = found[k == 2].scatter(1, top2[k == 2], 1.0)
+        hits += (found * target).sum(0).long().cpu()
+        seen += target.sum(0).long().cpu()
+        top5 = torch.zeros_like(target).scatter_(1, logits.topk(min(5, n_cls), 1).indices, 1.0)
+        top5_hits += int(((top5 * target).sum(1) == target.sum(1)).sum())
+        count += int(y.shape[0])
+        _emit(on_event, "eval_step", split=split, step=step + 1, steps=len(loader))
+    seconds = time.perf_counter() - t0
+    return EvalResult(
+        split=split, dataset=getattr(ds, "name", "?"), count=count, loss=loss_sum / max(count, 1),
+        accuracy=correct / max(count, 1), top5=top5_hits / max(count, 1),
+        per_class=(hits.double() / seen.clamp(min=1).double()).tolist(), confusion=[],
+        classes=list(classes), images_per_s=count / max(seconds, 1e-9), seconds=seconds,
+        metric="top-2 exact match (DiverseMultiMNIST)",
+    )
+
+
+def make_loss(preset: Preset, multi_label: bool, num_classes: int) -> Callable[[Tensor, Tensor, float], Tensor]:
+    """``loss(logits, y, progress)``; ``progress`` in [0, 1] is the share of training done.
+
+    ``auto``: cross-entropy (with label smoothing) for one label per image, binary
+    cross-entropy per class for multi-label data. ``margin``: Sabour et al.'s margin loss on the
+    model's outputs (capsule lengths). ``spread``: Hinton et al.'s spread loss on class
+    activations, margin rising linearly from 0.2 to 0.9 over the first half of training.
+    """
+    from capsctl.data.multimnist import multi_hot
+
+    kind = preset.train.loss
+    if kind == "auto":
+        kind = "bce" if multi_label else "cross_entropy"
+    smoothing = preset.train.label_smoothing
+    if kind == "cross_entropy":
+        if multi_label:
+            raise ConfigError("train.loss: cross_entropy needs one label per image; use bce or auto")
+        return lambda logits, y, progress: F.cross_entropy(logits, y, label_smoothing=smoothing)
+    if kind == "bce":
+        return lambda logits, y, progress: F.binary_cross_entropy_with_logits(logits, multi_hot(y, num_classes))
+    from capsctl.models import routing_baselines as rb
+
+    if kind == "margin":
+        return lambda logits, y, progress: rb.margin_loss(logits, multi_hot(y, num_classes) if multi_label else y)
+    return lambda logits, y, progress: rb.spread_loss(
+        logits, multi_hot(y, num_classes) if multi_label else y, 0.2 + 0.7 * min(1.0, 2 * progress))
+
+
+def count_correct(logits: Tensor, y: Tensor) -> Tensor:
+    """Top-1 hits, or the paper's top-2 metric for multi-label data."""
+    if y.dim() == 2:
+        from capsctl.data.multimnist import top2_correct
+
+        return top2_correct(logits, y).sum()
+    return (logits.argmax(1) == y).sum()
 
 
 def evaluate_checkpoint(
@@ -539,6 +622,8 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
         optimizer, lambda step: lr_factor(preset, step, steps_per_epoch)
     )
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
+    loss_fn = make_loss(preset, data.train.labels.dim() == 2, len(data.classes))
+    total_steps = max(1, t.epochs * steps_per_epoch)
     step_fn: nn.Module = dist.wrap(model)
     if t.compile:
         step_fn = torch.compile(step_fn)  # type: ignore[assignment]
@@ -666,7 +751,7 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
                     x = x.contiguous(memory_format=torch.channels_last)
                 with _autocast(device, t.amp):
                     logits = step_fn(x)
-                    loss = F.cross_entropy(logits.float(), y, label_smoothing=t.label_smoothing)
+                    loss = loss_fn(logits.float(), y, (epoch * steps_per_epoch + step) / total_steps)
                 # with several processes, every rank learns of a bad loss or a Ctrl-C at once
                 bad, stop = dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
                 flag["stop"] = stop
@@ -690,7 +775,7 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
                 if ema is not None:
                     ema.update(model)
                 loss_sum += loss.detach() * y.numel()
-                correct += (logits.detach().argmax(1) == y).sum()
+                correct += count_correct(logits.detach(), y)
                 seen += int(y.numel())
                 if on_event is not None:
                     el = time.perf_counter() - t0

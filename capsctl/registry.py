@@ -102,6 +102,23 @@ def _mnist_cnn() -> ModelConfig:
     return _mnist_caps().replace(arch="cnn")
 
 
+@register("multimnist-caps", "capsule net for 36x36 DiverseMultiMNIST (simple backbone, two conv capsule layers)")
+def _multimnist_caps() -> ModelConfig:
+    return ModelConfig(
+        arch="capsnet", num_classes=10, in_channels=1, input_size=36, backbone="simple",
+        primary_types=16, primary_dim=16,
+        layers=[
+            CapsLayerSpec(kind="conv", types=16, pose_dim=16, kernel=3, stride=2),
+            CapsLayerSpec(kind="conv", types=16, pose_dim=16, kernel=3, stride=1),
+        ],
+    )
+
+
+@register("multimnist-cnn", "CNN with the layers and widths of multimnist-caps")
+def _multimnist_cnn() -> ModelConfig:
+    return _multimnist_caps().replace(arch="cnn")
+
+
 def list_models(pattern: str = "*") -> list[str]:
     """Registered model names matching a shell-style pattern, sorted."""
     return sorted(n for n in _REGISTRY if fnmatch.fnmatch(n, pattern))

@@ -80,6 +80,16 @@ DATASETS: dict[str, DatasetInfo] = {
             10,
         ),
         DatasetInfo(
+            "diverse-multimnist",
+            "DiverseMultiMNIST: 36x36 canvases with one (1/6) or two overlapping MNIST digits, "
+            "generated deterministically from MNIST",
+            "mnist",
+            5000,
+            1,
+            36,
+            10,
+        ),
+        DatasetInfo(
             "fashion-mnist-quickstart",
             "Fashion-MNIST class-balanced subset shipped inside capsctl (works offline)",
             "fashion-mnist",

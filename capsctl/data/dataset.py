@@ -18,7 +18,8 @@ class ArrayDataset:
 
     Attributes:
         images: uint8 ``[N, C, H, W]``, contiguous, on the CPU.
-        labels: int64 ``[N]`` with values in ``[0, len(classes))``.
+        labels: int64 ``[N]`` with values in ``[0, len(classes))``; multi-label datasets use
+            ``[N, k]`` (``-1`` marks an unused slot).
         classes: class names, index = label.
         name: dataset name, with the variant in brackets when it matters
             (e.g. ``"cifar10[test-jpeg]"``).
@@ -35,9 +36,10 @@ class ArrayDataset:
                 f"dataset {self.name!r}: images must be uint8 [N, C, H, W], got "
                 f"{self.images.dtype} {list(self.images.shape)}"
             )
-        if self.labels.dtype != torch.int64 or self.labels.dim() != 1:
+        if self.labels.dtype != torch.int64 or self.labels.dim() not in (1, 2):
             raise DataError(
-                f"dataset {self.name!r}: labels must be int64 [N], got "
+                f"dataset {self.name!r}: labels must be int64 [N] (or [N, k] for several "
+                "labels per image, -1 = none), got "
                 f"{self.labels.dtype} {list(self.labels.shape)}"
             )
         if self.labels.shape[0] != self.images.shape[0]:
@@ -52,6 +54,11 @@ class ArrayDataset:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def multi_label(self) -> bool:
+        """True when every image carries several labels (``labels`` is ``[N, k]``)."""
+        return self.labels.dim() == 2
 
     @property
     def num_classes(self) -> int:
@@ -88,7 +95,7 @@ def split_train_val(
             f"val_size {val_size} is not in [0, {n}) for dataset {ds.name!r}; choose a smaller "
             "validation size"
         )
-    labels = ds.labels
+    labels = ds.labels if ds.labels.dim() == 1 else ds.labels[:, 0]  # stratify on the first label
     num_classes = max(int(labels.max()) + 1, ds.num_classes) if n else ds.num_classes
     counts = torch.bincount(labels, minlength=num_classes).tolist()
     # Largest-remainder allocation of val_size over classes.

@@ -146,6 +146,13 @@ def load_dataset(
         elif base in ("mnist", "fashion-mnist"):
             _reject_test_file(base, test_file)
             ds, source = _load_idx_dataset(base, split, root, download, on_event)
+        elif base == "diverse-multimnist":
+            _reject_test_file(base, test_file)
+            from capsctl.data.multimnist import SEEDS, diverse_multimnist
+
+            mnist, source = _load_idx_dataset("mnist", split, root, download, on_event)
+            ds = diverse_multimnist(mnist, seed=SEEDS[split], name="diverse-multimnist")
+            source = f"generated from MNIST in {source}"
         elif base == "fashion-mnist-quickstart":
             _reject_test_file(base, test_file)
             ds, source = _load_quickstart(split)

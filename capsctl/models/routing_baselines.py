@@ -317,8 +317,12 @@ class EMCapsules(_BaselineCapsules):
 
     Votes ``V_ij = M_i W_ij`` (the pose times a learned ``x x c`` matrix, the convention of the
     main model; a vector pose is a ``1 x d`` row). ``beta_v``, ``beta_a``: one per parent type,
-    shared over positions, initialized to 0. Init: ``W ~ N(0, 1/x)``, which keeps the votes'
-    entries on the scale of the child poses' (the M-step averages votes rather than summing them).
+    shared over positions, initialized to 0. Init (fan-based): ``W ~ N(0, J / x)`` with ``J``
+    the children per parent site. The M-step averages votes, and the mean of ``J`` votes from
+    independent random weights is ``sqrt(J)`` times smaller than one vote, so this keeps the
+    parent means ``mu_j`` of the uniform first iteration on the scale of the child poses (with
+    ``N(0, 1/x)`` the poses shrink about tenfold per layer until ``EM_VAR_EPS`` dominates every
+    variance).
     No coordinate addition: the class layer has separate weights for every child position, like
     the main model's FC layer, so positions are already distinguishable.
     """
@@ -344,7 +348,7 @@ class EMCapsules(_BaselineCapsules):
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            self.weight.normal_(0.0, 1.0 / math.sqrt(self.cols_in))
+            self.weight.normal_(0.0, math.sqrt(self.fan / self.cols_in))
             self.beta_v.zero_()
             self.beta_a.zero_()
 
