@@ -312,8 +312,10 @@ def bench_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    models: Annotated[list[str], typer.Argument(help="Registered models, presets, aliases (caps, resnet18), "
-                                                "preset files or checkpoints.")],
+    models: Annotated[list[str] | None, typer.Argument(help="Registered models, presets, aliases (caps, "
+                                                       "resnet18), preset files or checkpoints.")] = None,
+    suite: Annotated[str | None, typer.Option("--suite", help="A named set: paper (the paper's CIFAR "
+                                              "comparison) or paper-cifar10.")] = None,
     speed: Annotated[bool, typer.Option("--speed", help="Also measure speed and memory (capsctl bench).")] = False,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Batch for --speed.")] = 32,
     iters: Annotated[int, typer.Option(help="Timed steps for --speed.")] = 3,
@@ -325,13 +327,20 @@ def compare_cmd(
 ) -> None:
     """Parameters, GFLOPs, speed and accuracy side by side, with ratios against resnet18."""
     from capsctl import render
-    from capsctl.compare import compare
+    from capsctl.compare import SUITES, compare
 
+    targets = list(models or [])
+    if suite is not None:
+        if suite not in SUITES:
+            raise UsageError(f"--suite {suite}: unknown; choose one of {', '.join(SUITES)}")
+        targets = SUITES[suite] + targets
+    if not targets:
+        raise UsageError("name models to compare (see capsctl models), or --suite paper")
     if json_out and csv_out:
         raise UsageError("--json and --csv exclude each other")
     quiet = json_out or csv_out
     with render.simple_progress("compare", quiet=quiet) as on_event:
-        report = compare(models, speed=speed, batch_size=batch_size, iters=iters, device=device,
+        report = compare(targets, speed=speed, batch_size=batch_size, iters=iters, device=device,
                          evaluate=eval_, data_dir=data_dir, on_event=on_event)
     if json_out:
         render.print_json(report.to_dict())

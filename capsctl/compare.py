@@ -227,6 +227,24 @@ def _checkpoint_config(path: Path) -> ModelConfig:
         ) from None
 
 
+#: Named sets of targets for ``capsctl compare --suite``.
+SUITES: dict[str, list[str]] = {
+    # Tsai et al. 2020, Table 1: routing procedures under the same backbones, a CNN of the same
+    # layers and widths, and ResNet-18, on CIFAR-10 and CIFAR-100.
+    "paper": [
+        f"{ds}-{method}{bb}"
+        for ds in ("cifar10", "cifar100")
+        for bb in ("-simple", "")
+        for method in ("caps", "dynamic", "em", "cnn")
+    ]
+    + ["resnet18"],
+    "paper-cifar10": [
+        f"cifar10-{method}{bb}" for bb in ("-simple", "") for method in ("caps", "dynamic", "em", "cnn")
+    ]
+    + ["resnet18"],
+}
+
+
 def resolve_target(spec: str) -> tuple[str, str, ModelConfig, Path | None]:
     """``(name, source, config, checkpoint path or None)`` of one compare target.
 

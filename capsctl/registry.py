@@ -70,6 +70,14 @@ for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
         f"cifar100-caps{_suffix}",
         f"CIFAR-100 capsule net, {_bb} backbone, 6x6 poses, T=2 concurrent",
     )(lambda _bb=_bb: _caps100(_bb))
+    register(f"cifar10-dynamic{_suffix}", f"cifar10-caps{_suffix} with dynamic routing (Sabour et al. 2017)")(
+        lambda _bb=_bb: _caps10(_bb, "capsnet-dynamic"))
+    register(f"cifar10-em{_suffix}", f"cifar10-caps{_suffix} with EM routing (Hinton et al. 2018)")(
+        lambda _bb=_bb: _caps10(_bb, "capsnet-em"))
+    register(f"cifar100-dynamic{_suffix}", f"cifar100-caps{_suffix} with dynamic routing (Sabour et al. 2017)")(
+        lambda _bb=_bb: _caps100(_bb, "capsnet-dynamic"))
+    register(f"cifar100-em{_suffix}", f"cifar100-caps{_suffix} with EM routing (Hinton et al. 2018)")(
+        lambda _bb=_bb: _caps100(_bb, "capsnet-em"))
     register(f"cifar10-cnn{_suffix}", f"CNN as wide as cifar10-caps{_suffix} ({_bb} backbone)")(
         lambda _bb=_bb: _caps10(_bb, "cnn")
     )

@@ -43,35 +43,73 @@ def _tiles(j: int, bsz: int, m: int, d: int, itemsize: int) -> tuple[int, int]:
     return jc, bc
 
 
-def _votes(xc: Tensor, wc: Tensor, m: int, buf: Tensor) -> Tensor:
-    """Votes of one chunk written into ``buf``, laid out ``[Jc, Bc, a*c, m]``.
-
-    ``xc[Jc, Bc, a, x]``, ``wc[Jc, x, c*m]``. The parent type is innermost, so no permute is
-    needed, coefficients ``[Jc, Bc, 1, m]`` broadcast over a contiguous row, and the agreement
-    reduces the middle dim.
-    """
-    jc, bc, a, xd = xc.shape
-    cm = wc.shape[2]
-    v = buf[: jc * bc * a * cm].view(jc, bc * a, cm)  # [Jc, Bc*a, c*m]
-    torch.bmm(xc.reshape(jc, bc * a, xd), wc, out=v)  # [Jc, Bc*a, c*m]
-    return v.view(jc, bc, a * cm // m, m)  # [Jc, Bc, d, m]
+def _site_major(p: Tensor) -> Tensor:
+    """``[B, m, a, c]`` -> contiguous ``[B, d, m]`` (parent type innermost, as the votes)."""
+    bsz, m, a, c = p.shape
+    return p.permute(0, 2, 3, 1).contiguous().view(bsz, a * c, m)  # [B, d, m]
 
 
-def _dot_d(v: Tensor, q: Tensor, buf: Tensor) -> Tensor:
-    """``sum_d v * q`` for ``v[Jc, Bc, d, m]``, ``q[Bc, d, m]``, using ``buf`` as scratch."""
-    t = buf[: v.numel()].view_as(v)  # [Jc, Bc, d, m]
-    torch.mul(v, q, out=t)  # [Jc, Bc, d, m]
-    return t.sum(2)  # [Jc, Bc, m]
+def _parent_major(q: Tensor, a: int, c: int) -> Tensor:
+    """``[B, d, m]`` -> contiguous ``[B, m, a, c]``."""
+    bsz, _, m = q.shape
+    return q.view(bsz, a, c, m).permute(0, 3, 1, 2).contiguous()  # [B, m, a, c]
 
 
-def _sum_j(acc: Tensor, v: Tensor, coef: Tensor) -> None:
-    """``acc += sum_J coef * v`` for ``acc[Bc, d, m]``, ``v[Jc, Bc, d, m]``, ``coef[Jc, Bc, m]``;
-    overwrites ``v``."""
-    if v.shape[0] == 1:
-        acc.addcmul_(v[0], coef[0].unsqueeze(1))  # [Bc, d, m]
-    else:
+class _Chunk:
+    """Scratch buffers for one ``(Jc, Bc)`` tile, reused by every tile (no allocator traffic)."""
+
+    def __init__(self, like: Tensor, jc: int, bc: int, a: int, d: int, m: int) -> None:
+        self.jc, self.bc, self.a, self.d, self.m = jc, bc, a, d, m
+        n = jc * bc * d * m
+        self.vbuf = like.new_empty(n)  # votes, then the votes' gradient
+        self.tbuf = like.new_empty(n)  # products before a reduction over d
+        self.lbuf = like.new_empty(jc * bc * m)  # logits / gradient of R
+        self.rbuf = like.new_empty(jc * bc * m)  # coefficients of the tile
+        self.kbuf = like.new_empty(jc * bc)  # one number per (child, site)
+
+    def votes(self, xc: Tensor, wc: Tensor) -> Tensor:
+        """``xc[Jc, Bc, a, x]``, ``wc[Jc, x, c*m]`` -> votes ``[Jc, Bc, d, m]`` (in ``vbuf``).
+
+        Parent type innermost: the product needs no permute, coefficients ``[Jc, Bc, 1, m]``
+        broadcast over contiguous rows and the agreement reduces a middle dim.
+        """
+        jc, bc, a, xd = xc.shape
+        cm = wc.shape[2]
+        v = self.vbuf[: jc * bc * a * cm].view(jc, bc * a, cm)  # [Jc, Bc*a, c*m]
+        torch.bmm(xc.reshape(jc, bc * a, xd), wc, out=v)  # [Jc, Bc*a, c*m]
+        return v.view(jc, bc, self.d, self.m)  # [Jc, Bc, d, m]
+
+    def dot_d(self, v: Tensor, q: Tensor) -> Tensor:
+        """``sum_d v * q`` for ``v[Jc, Bc, d, m]``, ``q[Bc, d, m]`` -> ``[Jc, Bc, m]`` (in ``lbuf``)."""
+        jc, bc = v.shape[0], v.shape[1]
+        t = self.tbuf[: v.numel()].view_as(v)  # [Jc, Bc, d, m]
+        torch.mul(v, q, out=t)  # [Jc, Bc, d, m]
+        out = self.lbuf[: jc * bc * self.m].view(jc, bc, self.m)  # [Jc, Bc, m]
+        return torch.sum(t, 2, out=out)  # [Jc, Bc, m]
+
+    def softmax(self, logits: Tensor) -> Tensor:
+        """Softmax over ``m`` of ``logits[Jc, Bc, m]`` (in ``rbuf``)."""
+        out = self.rbuf[: logits.numel()].view_as(logits)  # [Jc, Bc, m]
+        torch.ops.aten._softmax.out(logits, -1, False, out=out)
+        return out
+
+    def softmax_backward(self, rc: Tensor, dr: Tensor) -> Tensor:
+        """``rc * (dr - sum_m rc * dr)``, in place in ``dr[Jc, Bc, m]``."""
+        jc, bc = dr.shape[0], dr.shape[1]
+        t = self.tbuf[: dr.numel()].view_as(dr)  # [Jc, Bc, m]
+        torch.mul(rc, dr, out=t)  # [Jc, Bc, m]
+        k = self.kbuf[: jc * bc].view(jc, bc, 1)  # [Jc, Bc, 1]
+        torch.sum(t, -1, keepdim=True, out=k)  # [Jc, Bc, 1]
+        return dr.sub_(k).mul_(rc)  # [Jc, Bc, m]
+
+    def sum_j(self, acc: Tensor, v: Tensor, coef: Tensor) -> None:
+        """``acc[Bc, d, m] += sum_J coef[Jc, Bc, m] * v[Jc, Bc, d, m]``; may overwrite ``v``."""
+        if v.shape[0] == 1:
+            acc.addcmul_(v[0], coef[0].unsqueeze(1))  # [Bc, d, m]
+            return
         v.mul_(coef.unsqueeze(2))  # [Jc, Bc, d, m]
-        acc.add_(v.sum(0))  # [Bc, d, m]
+        t = self.tbuf[: acc.numel()].view_as(acc)  # [Bc, d, m]
+        acc.add_(torch.sum(v, 0, out=t))  # [Bc, d, m]
 
 
 def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -83,39 +121,32 @@ def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tupl
     return s, r
 
 
-def _weights_cm(w: Tensor) -> Tensor:
+def _prepare(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Contiguous ``x[J, B, a, x]`` and the weights as ``[J, x, c*m]``."""
     j, xd, m, c = w.shape
-    return w.permute(0, 1, 3, 2).reshape(j, xd, c * m)  # [J, x, c*m]
-
-
-def _site_major(p: Tensor) -> Tensor:
-    bsz, m, a, c = p.shape
-    return p.permute(0, 2, 3, 1).reshape(bsz, a * c, m)  # [B, d, m]
+    wc = w.permute(0, 1, 3, 2).contiguous().view(j, xd, c * m)  # [J, x, c*m]
+    return x.contiguous(), wc
 
 
 def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    j, bsz, a, xd = x.shape
+    j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
-    x = x.contiguous()
-    wc = _weights_cm(w)  # [J, x, c*m]
-    pq = _site_major(p)  # [B, d, m]
+    x, wc = _prepare(x, w)
+    pq = _site_major(p).mul_(scale)  # [B, d, m], the agreement's scale folded in
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
     jc, bc = _tiles(j, bsz, m, d, x.element_size())
-    vbuf = x.new_empty(jc * bc * d * m)
-    tbuf = x.new_empty(jc * bc * d * m)
+    buf = _Chunk(x, jc, bc, a, d, m)
     for b0 in range(0, bsz, bc):
         b1 = min(bsz, b0 + bc)
         for j0 in range(0, j, jc):
             j1 = min(j, j0 + jc)
-            v = _votes(x[j0:j1, b0:b1], wc[j0:j1], m, vbuf)  # [Jc, Bc, d, m]
-            logits = _dot_d(v, pq[b0:b1], tbuf)  # [Jc, Bc, m]
-            rc = torch.softmax(logits.mul_(scale), dim=-1)  # [Jc, Bc, m]
+            v = buf.votes(x[j0:j1, b0:b1], wc[j0:j1])  # [Jc, Bc, d, m]
+            rc = buf.softmax(buf.dot_d(v, pq[b0:b1]))  # [Jc, Bc, m]
             r[j0:j1, b0:b1] = rc
-            _sum_j(s[b0:b1], v, rc)
-    s = s.view(bsz, a, c, m).permute(0, 3, 1, 2).contiguous()  # [B, m, a, c]
-    return s, r
+            buf.sum_j(s[b0:b1], v, rc)
+    return _parent_major(s, a, c), r
 
 
 class RoutedPass(torch.autograd.Function):
@@ -127,53 +158,61 @@ class RoutedPass(torch.autograd.Function):
         ctx.save_for_backward(x, w, p, r)
         ctx.scale = scale
         ctx.mark_non_differentiable(r)
+        ctx.set_materialize_grads(False)  # no zero gradient of R (as large as R) is built
         return s, r
 
     @staticmethod
-    def backward(ctx, gs: Tensor, _gr: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, gs: Tensor | None, _gr: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if gs is None:
+            return None, None, None, None
         x, w, p, r = ctx.saved_tensors
         scale: float = ctx.scale
         j, bsz, a, xd = x.shape
         m, c = w.shape[2], w.shape[3]
         d = a * c
-        x = x.contiguous()
-        wc = _weights_cm(w)  # [J, x, c*m]
-        wt = wc.transpose(1, 2)  # [J, c*m, x]
-        pq = _site_major(p)  # [B, d, m]
+        x, wc = _prepare(x, w)
+        pq = _site_major(p).mul_(scale)  # [B, d, m]; d logits / d votes = scale * P
         gq = _site_major(gs)  # [B, d, m]
         need_x, need_w, need_p = ctx.needs_input_grad[:3]
-        gx = torch.empty_like(x) if need_x else None  # [J, B, a, x]
+        # d loss / d X transposed: the product [x, c*m] @ [c*m, Bc*a] runs faster than its transpose
+        gxt = x.new_empty(j, xd, bsz * a) if need_x else None  # [J, x, B*a]
         gw = torch.zeros_like(wc) if need_w else None  # [J, x, c*m]
-        gp = x.new_zeros(bsz, d, m) if need_p else None  # [B, d, m]
+        gp = x.new_zeros(bsz, d, m) if need_p else None  # [B, d, m], before the scale
         jc, bc = _tiles(j, bsz, m, d, x.element_size())
-        vbuf = x.new_empty(jc * bc * d * m)
-        tbuf = x.new_empty(jc * bc * d * m)
+        buf = _Chunk(x, jc, bc, a, d, m)
+        gxbuf = x.new_empty(jc * xd * bc * a) if need_x and bc < bsz else None
         for b0 in range(0, bsz, bc):
             b1 = min(bsz, b0 + bc)
             for j0 in range(0, j, jc):
                 j1 = min(j, j0 + jc)
+                tj, tb = j1 - j0, b1 - b0
                 xc = x[j0:j1, b0:b1]  # [Jc, Bc, a, x]
-                v = _votes(xc, wc[j0:j1], m, vbuf)  # [Jc, Bc, d, m]
+                v = buf.votes(xc, wc[j0:j1])  # [Jc, Bc, d, m]
                 rc = r[j0:j1, b0:b1]  # [Jc, Bc, m]
-                dr = _dot_d(v, gq[b0:b1], tbuf)  # [Jc, Bc, m]
-                # softmax backward over m, then the agreement's scale
-                da = rc * (dr - (rc * dr).sum(-1, keepdim=True))  # [Jc, Bc, m]
-                da.mul_(scale)
+                # d loss / d logits, without the scale (folded into pq and gp)
+                da = buf.softmax_backward(rc, buf.dot_d(v, gq[b0:b1]))  # [Jc, Bc, m]
                 if gp is not None:
-                    _sum_j(gp[b0:b1], v, da)
-                if gx is None and gw is None:
+                    buf.sum_j(gp[b0:b1], v, da)
+                if gxt is None and gw is None:
                     continue
                 gv = torch.mul(rc.unsqueeze(2), gq[b0:b1], out=v)  # [Jc, Bc, d, m]
                 gv.addcmul_(da.unsqueeze(2), pq[b0:b1])  # [Jc, Bc, d, m]
-                gv = gv.view(j1 - j0, (b1 - b0) * a, c * m)  # [Jc, Bc*a, c*m]
-                if gx is not None:
-                    gx[j0:j1, b0:b1] = torch.bmm(gv, wt[j0:j1]).view(j1 - j0, b1 - b0, a, xd)  # [Jc, Bc, a, x]
+                gv = gv.view(tj, tb * a, c * m)  # [Jc, Bc*a, c*m]
+                if gxt is not None:
+                    gxc = gxt[j0:j1, :, b0 * a : b1 * a]  # [Jc, x, Bc*a]
+                    if gxbuf is None:
+                        torch.bmm(wc[j0:j1], gv.transpose(1, 2), out=gxc)  # [Jc, x, Bc*a]
+                    else:
+                        gxtile = gxbuf[: tj * xd * tb * a].view(tj, xd, tb * a)  # [Jc, x, Bc*a]
+                        gxc.copy_(torch.bmm(wc[j0:j1], gv.transpose(1, 2), out=gxtile))  # [Jc, x, Bc*a]
                 if gw is not None:
-                    gw[j0:j1].baddbmm_(xc.reshape(j1 - j0, (b1 - b0) * a, xd).transpose(1, 2), gv)  # [Jc, x, c*m]
+                    gw[j0:j1].baddbmm_(xc.reshape(tj, tb * a, xd).transpose(1, 2), gv)  # [Jc, x, c*m]
+        # a strided view is a valid gradient: no copy back to [J, B, a, x]
+        gx = gxt.view(j, xd, bsz, a).permute(0, 2, 3, 1) if gxt is not None else None  # [J, B, a, x]
         return (
             gx,
             gw.view(j, xd, c, m).permute(0, 1, 3, 2).contiguous() if gw is not None else None,  # [J, x, m, c]
-            gp.view(bsz, a, c, m).permute(0, 3, 1, 2).contiguous() if gp is not None else None,  # [B, m, a, c]
+            _parent_major(gp.mul_(scale), a, c) if gp is not None else None,  # [B, m, a, c]
             None,
         )
 
