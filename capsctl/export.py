@@ -16,15 +16,11 @@ Every artifact gets a JSON sidecar ``<artifact>.json`` (input size, channels, no
 class names, format, versions, source checkpoint and the parity result). Files are written to
 a temporary file in the target folder and renamed into place only after the check passed.
 
-Exporting the capsule network: the routed pass (:func:`capsctl.layers.routing._forward`) walks
-over the batch in chunks with ``for b0 in range(0, bsz, step)``. ``range`` needs a concrete
-integer, so tracing it specializes the batch size to the example's (``torch.export`` reports
-"You marked batch as dynamic but your code specialized it to be a constant", guard
-``Eq(batch, 2)`` added at that loop). Making ``CHUNK_BYTES`` huge does not help (the loop and
-the ``min`` in ``_chunk_size`` still need concrete sizes). While tracing, this module therefore
-swaps in :func:`_single_chunk_forward`, the same computation as one chunk covering the whole
-batch; the eager model used as the parity reference keeps the chunked code. The swap patches a
-module global for the duration of the trace and is not thread-safe.
+Exporting the capsule network: the eager routed pass walks over the batch in chunks with a
+Python loop, which tracing would unroll and specialize to the example's batch size. While
+tracing, :func:`capsctl.layers.routing.dense_routing` selects the dense formula of the same
+pass (one expression for any batch size); the eager model used as the parity reference keeps
+the chunked code, so the check compares the two implementations.
 
 Nothing is printed; progress goes to ``on_event`` as dicts ``{"event": name, ...}``.
 """
@@ -199,33 +195,13 @@ def default_output_path(ckpt: str | os.PathLike[str], fmt: str) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _single_chunk_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``capsctl.layers.routing._forward`` as one chunk over the whole batch (traceable)."""
-    from capsctl.layers import routing
-
-    j, bsz, a, xd = x.shape
-    m, c = w.shape[2], w.shape[3]
-    d = a * c
-    wf = w.reshape(j, xd, m * c)  # [J, x, m*c]
-    pf = p.reshape(bsz, m, d)  # [B, m, d]
-    v = routing._votes(x, wf, a, m, c)  # [J, B, m, d]
-    logits = (v * pf).sum(-1) * scale  # [J, B, m]
-    r = torch.softmax(logits, dim=-1)  # [J, B, m]
-    s = (v * r.unsqueeze(-1)).sum(0)  # [B, m, d]
-    return s.view(bsz, m, a, c), r
-
-
 @contextlib.contextmanager
 def _traceable_routing() -> Iterator[None]:
-    """Replace the chunked routed pass by :func:`_single_chunk_forward` while tracing."""
-    from capsctl.layers import routing
+    """Trace the routed pass as one expression over the whole batch (see ``dense_routing``)."""
+    from capsctl.layers.routing import dense_routing
 
-    original = routing._forward
-    routing._forward = _single_chunk_forward
-    try:
+    with dense_routing():
         yield
-    finally:
-        routing._forward = original
 
 
 class _Logits(nn.Module):

@@ -314,16 +314,16 @@ def test_refuses_to_overwrite_the_checkpoint(plain_ckpt: Path) -> None:
 
 
 def test_parity_failure_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import capsctl.export as export
+    import capsctl.layers.routing as routing
 
     ckpt = write_tiny_checkpoint(tmp_path / "tiny.safetensors", training_state=False)
-    real = export._single_chunk_forward
+    real = routing.routed_pass_dense
 
     def wrong(x: torch.Tensor, w: torch.Tensor, p: torch.Tensor, scale: float):
         s, r = real(x, w, p, scale)
         return s.flip(1), r  # swaps the parents (LayerNorm would undo a rescaling)
 
-    monkeypatch.setattr(export, "_single_chunk_forward", wrong)
+    monkeypatch.setattr(routing, "routed_pass_dense", wrong)
     with pytest.raises(CapsctlError, match=r"pt2 export does not match PyTorch: max \|diff\| = "):
         export_checkpoint(ckpt, "pt2", tolerance=1e-4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.safetensors"]

@@ -298,3 +298,19 @@ def test_concurrent_skips_only_passes_that_cannot_reach_the_output() -> None:
         fast = model(x)
         traced, _ = model(x, trace=True)
     assert torch.allclose(fast, traced, atol=1e-12)
+
+
+def test_dense_pass_equals_chunked_pass() -> None:
+    """The traced (export, compile) formula and the chunked eager pass agree."""
+    from capsctl.layers.routing import dense_routing, routed_pass_dense
+
+    torch.manual_seed(9)
+    x = torch.randn(6, 5, 2, 2, dtype=torch.float64)
+    w = torch.randn(6, 2, 3, 2, dtype=torch.float64)
+    p = torch.randn(5, 3, 2, 2, dtype=torch.float64)
+    s1, r1 = routed_pass(x, w, p, 0.5)
+    s2, r2 = routed_pass_dense(x, w, p, 0.5)
+    with dense_routing():
+        s3, _ = routed_pass(x, w, p, 0.5)
+    assert torch.allclose(s1, s2, atol=1e-12) and torch.allclose(r1, r2, atol=1e-12)
+    assert torch.equal(s2, s3)

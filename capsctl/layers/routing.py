@@ -24,6 +24,9 @@ votes of each chunk in the backward pass.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -80,17 +83,21 @@ class _Chunk:
         return v.view(jc, bc, self.d, self.m)  # [Jc, Bc, d, m]
 
     def dot_d(self, v: Tensor, q: Tensor) -> Tensor:
-        """``sum_d v * q`` for ``v[Jc, Bc, d, m]``, ``q[Bc, d, m]`` -> ``[Jc, Bc, m]`` (in ``lbuf``)."""
+        """``sum_d v * q``: ``v[Jc, Bc, d, m]``, ``q[Bc, d, m]`` -> ``[Jc, Bc, m]`` in ``lbuf``."""
         jc, bc = v.shape[0], v.shape[1]
         t = self.tbuf[: v.numel()].view_as(v)  # [Jc, Bc, d, m]
         torch.mul(v, q, out=t)  # [Jc, Bc, d, m]
         out = self.lbuf[: jc * bc * self.m].view(jc, bc, self.m)  # [Jc, Bc, m]
         return torch.sum(t, 2, out=out)  # [Jc, Bc, m]
 
-    def softmax(self, logits: Tensor) -> Tensor:
-        """Softmax over ``m`` of ``logits[Jc, Bc, m]`` (in ``rbuf``)."""
+    def softmax_into(self, logits: Tensor, dest: Tensor) -> Tensor:
+        """Softmax over ``m`` of ``logits[Jc, Bc, m]`` written to ``dest`` (a slice of ``R``)."""
+        if dest.is_contiguous():
+            torch.ops.aten._softmax.out(logits, -1, False, out=dest)
+            return dest
         out = self.rbuf[: logits.numel()].view_as(logits)  # [Jc, Bc, m]
         torch.ops.aten._softmax.out(logits, -1, False, out=out)
+        dest.copy_(out)
         return out
 
     def softmax_backward(self, rc: Tensor, dr: Tensor) -> Tensor:
@@ -143,8 +150,7 @@ def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Ten
         for j0 in range(0, j, jc):
             j1 = min(j, j0 + jc)
             v = buf.votes(x[j0:j1, b0:b1], wc[j0:j1])  # [Jc, Bc, d, m]
-            rc = buf.softmax(buf.dot_d(v, pq[b0:b1]))  # [Jc, Bc, m]
-            r[j0:j1, b0:b1] = rc
+            rc = buf.softmax_into(buf.dot_d(v, pq[b0:b1]), r[j0:j1, b0:b1])  # [Jc, Bc, m]
             buf.sum_j(s[b0:b1], v, rc)
     return _parent_major(s, a, c), r
 
@@ -200,21 +206,59 @@ class RoutedPass(torch.autograd.Function):
                 gv = gv.view(tj, tb * a, c * m)  # [Jc, Bc*a, c*m]
                 if gxt is not None:
                     gxc = gxt[j0:j1, :, b0 * a : b1 * a]  # [Jc, x, Bc*a]
+                    gvt = gv.transpose(1, 2)  # [Jc, c*m, Bc*a]
                     if gxbuf is None:
-                        torch.bmm(wc[j0:j1], gv.transpose(1, 2), out=gxc)  # [Jc, x, Bc*a]
+                        torch.bmm(wc[j0:j1], gvt, out=gxc)  # [Jc, x, Bc*a]
                     else:
                         gxtile = gxbuf[: tj * xd * tb * a].view(tj, xd, tb * a)  # [Jc, x, Bc*a]
-                        gxc.copy_(torch.bmm(wc[j0:j1], gv.transpose(1, 2), out=gxtile))  # [Jc, x, Bc*a]
+                        gxc.copy_(torch.bmm(wc[j0:j1], gvt, out=gxtile))  # [Jc, x, Bc*a]
                 if gw is not None:
-                    gw[j0:j1].baddbmm_(xc.reshape(tj, tb * a, xd).transpose(1, 2), gv)  # [Jc, x, c*m]
+                    xct = xc.reshape(tj, tb * a, xd).transpose(1, 2)  # [Jc, x, Bc*a]
+                    gw[j0:j1].baddbmm_(xct, gv)  # [Jc, x, c*m]
         # a strided view is a valid gradient: no copy back to [J, B, a, x]
-        gx = gxt.view(j, xd, bsz, a).permute(0, 2, 3, 1) if gxt is not None else None  # [J, B, a, x]
-        return (
-            gx,
-            gw.view(j, xd, c, m).permute(0, 1, 3, 2).contiguous() if gw is not None else None,  # [J, x, m, c]
-            _parent_major(gp.mul_(scale), a, c) if gp is not None else None,  # [B, m, a, c]
-            None,
-        )
+        gx = None
+        if gxt is not None:
+            gx = gxt.view(j, xd, bsz, a).permute(0, 2, 3, 1)  # [J, B, a, x]
+        gwo = None
+        if gw is not None:
+            gwo = gw.view(j, xd, c, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+        gpo = _parent_major(gp.mul_(scale), a, c) if gp is not None else None  # [B, m, a, c]
+        return gx, gwo, gpo, None
+
+
+_DENSE = {"on": False}
+
+
+@contextlib.contextmanager
+def dense_routing() -> Iterator[None]:
+    """Use :func:`routed_pass_dense` inside the block (tracing for ONNX and torch.export).
+
+    The chunked pass loops over the batch in Python, which tracing would unroll and specialize
+    to one batch size; the dense formula is one expression for any batch size.
+    """
+    before = _DENSE["on"]
+    _DENSE["on"] = True
+    try:
+        yield
+    finally:
+        _DENSE["on"] = before
+
+
+def routed_pass_dense(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """The routed pass as one expression over the whole batch (materializes the votes).
+
+    Same math as :func:`routed_pass`; used for tracing and by ``torch.compile``, whose fusion
+    keeps the vote tensor from being stored.
+    """
+    j, bsz, a, xd = x.shape
+    m, c = w.shape[2], w.shape[3]
+    v = torch.matmul(x.reshape(j, bsz * a, xd), w.reshape(j, xd, m * c))  # [J, B*a, m*c]
+    v = v.view(j, bsz, a, m, c)  # [J, B, a, m, c]
+    pa = p.permute(0, 2, 1, 3).unsqueeze(0)  # [1, B, a, m, c]
+    logits = (v * pa).sum(dim=(2, 4)) * scale  # [J, B, m]
+    r = torch.softmax(logits, dim=-1)  # [J, B, m]
+    s = (v * r[:, :, None, :, None]).sum(0)  # [B, a, m, c]
+    return s.permute(0, 2, 1, 3), r  # [B, m, a, c], [J, B, m]
 
 
 def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -223,6 +267,9 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
     Returns ``S[B, m, a, c]`` (the coefficient-weighted sum of votes, before dropout and
     LayerNorm) and the coefficients ``R[J, B, m]`` (detached).
     """
+    if _DENSE["on"] or torch.compiler.is_compiling():
+        s, r = routed_pass_dense(x, w, p, scale)
+        return s, r.detach()
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
         s, r = RoutedPass.apply(x, w, p, scale)
         return s, r
