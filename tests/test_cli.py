@@ -179,3 +179,32 @@ def test_export_to_unwritable_path(tiny_run: Path, capsys: pytest.CaptureFixture
     code, _, err = run(capsys, "export", str(tiny_run / "best.safetensors"), "--format", "safetensors", "--out",
                        str(tmp_path / "no" / "such" / "dir" / "x.safetensors"))
     assert code in (1, 2) and len(err.strip().splitlines()) == 1
+
+
+def test_compare_json_and_suite(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = run(capsys, "compare", "caps", "resnet18", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = {r["name"]: r for r in doc["models"]}
+    assert rows["cifar10-caps"]["params"]["total"] == 1_828_817
+    assert rows["resnet18"]["params"]["total"] == 11_173_962
+    assert any("fewer parameters" in line for line in doc["footer"])
+    code, out, _ = run(capsys, "compare", "caps", "resnet18", "--csv")
+    assert code == 0 and out.splitlines()[0].startswith("name,")
+
+    import capsctl.compare as compare_mod
+
+    seen: list[list[str]] = []
+    real = compare_mod.compare
+
+    def spy(specs: list[str], **kw: object):  # noqa: ANN202
+        seen.append(list(specs))
+        return real(["cifar10-caps-simple"], **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(compare_mod, "compare", spy)
+    code, _, err = run(capsys, "compare", "--suite", "paper", "--json")
+    assert code == 0, err
+    assert seen[0] == compare_mod.SUITES["paper"]
+    assert {"cifar10-dynamic", "cifar10-em", "cifar100-cnn-simple", "resnet18"} <= set(seen[0])
+    code, _, err = run(capsys, "compare", "--suite", "nope")
+    assert code == 2 and "unknown" in err

@@ -67,3 +67,15 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path) -> N
     m2 = [json.loads(x) for x in lines]
     assert abs(m1[-1]["train_loss"] - m2[-1]["train_loss"]) < 1e-3
     assert m1[-1]["val_accuracy"] == pytest.approx(m2[-1]["val_accuracy"], abs=0.01)
+
+
+def test_nproc_relaunches_the_same_command_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    import capsctl.cli as cli
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    argv = ["capsctl", "train", "--preset", "quickstart", "--nproc", "2", "--epochs", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    cli.main(argv[1:])
+    assert seen == [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                     "-m", "capsctl", "train", "--preset", "quickstart", "--epochs", "1"]]
