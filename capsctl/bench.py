@@ -284,7 +284,13 @@ def _emit(on_event: EventFn | None, **event: Any) -> None:
 
 
 def _time_steps(
-    step: Callable[[], None], dev: torch.device, *, name: str, phase: str, warmup: int, iters: int,
+    step: Callable[[], None],
+    dev: torch.device,
+    *,
+    name: str,
+    phase: str,
+    warmup: int,
+    iters: int,
     on_event: EventFn | None,
 ) -> list[float]:
     times: list[float] = []
@@ -297,14 +303,31 @@ def _time_steps(
         elapsed = time.perf_counter() - t0
         if i >= warmup:
             times.append(elapsed)
-        _emit(on_event, event="bench_step", name=name, phase=phase, step=i + 1, total=total,
-              warmup=i < warmup)
+        _emit(
+            on_event,
+            event="bench_step",
+            name=name,
+            phase=phase,
+            step=i + 1,
+            total=total,
+            warmup=i < warmup,
+        )
     return times
 
 
 def _measure(
-    label: str, cfg: ModelConfig, dev: torch.device, *, batch_size: int, iters: int, warmup: int,
-    train: bool, infer: bool, iterations: int | None, routing: str | None, seed: int,
+    label: str,
+    cfg: ModelConfig,
+    dev: torch.device,
+    *,
+    batch_size: int,
+    iters: int,
+    warmup: int,
+    train: bool,
+    infer: bool,
+    iterations: int | None,
+    routing: str | None,
+    seed: int,
     on_event: EventFn | None,
 ) -> BenchRow:
     """Build and measure one model. Memory tracking is the caller's job."""
@@ -337,8 +360,15 @@ def _measure(
                 loss.backward()
                 opt.step()
 
-            train_s = _time_steps(train_step, dev, name=label, phase="train", warmup=warmup,
-                                  iters=iters, on_event=on_event)
+            train_s = _time_steps(
+                train_step,
+                dev,
+                name=label,
+                phase="train",
+                warmup=warmup,
+                iters=iters,
+                on_event=on_event,
+            )
             opt.zero_grad(set_to_none=True)
             del opt
 
@@ -350,8 +380,15 @@ def _measure(
                 with torch.inference_mode():
                     model(x)
 
-            infer_s = _time_steps(infer_step, dev, name=label, phase="infer", warmup=warmup,
-                                  iters=iters, on_event=on_event)
+            infer_s = _time_steps(
+                infer_step,
+                dev,
+                name=label,
+                phase="infer",
+                warmup=warmup,
+                iters=iters,
+                on_event=on_event,
+            )
 
     infer_median = statistics.median(infer_s) if infer_s else None
     return BenchRow(
@@ -426,9 +463,20 @@ def run_bench(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         with RssSampler() as sampler:
-            row = _measure(label, cfg, dev, batch_size=batch_size, iters=iters, warmup=warmup,
-                           train=train, infer=infer, iterations=iterations, routing=routing,
-                           seed=seed, on_event=on_event)
+            row = _measure(
+                label,
+                cfg,
+                dev,
+                batch_size=batch_size,
+                iters=iters,
+                warmup=warmup,
+                train=train,
+                infer=infer,
+                iterations=iterations,
+                routing=routing,
+                seed=seed,
+                on_event=on_event,
+            )
         row.peak_rss_bytes = sampler.peak_bytes
         if dev.type == "cuda":
             row.peak_device_bytes = int(torch.cuda.max_memory_allocated(dev))

@@ -239,7 +239,9 @@ SUITES: dict[str, list[str]] = {
     ]
     + ["resnet18"],
     "paper-cifar10": [
-        f"cifar10-{method}{bb}" for bb in ("-simple", "") for method in ("caps", "dynamic", "em", "cnn")
+        f"cifar10-{method}{bb}"
+        for bb in ("-simple", "")
+        for method in ("caps", "dynamic", "em", "cnn")
     ]
     + ["resnet18"],
 }

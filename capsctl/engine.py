@@ -168,8 +168,16 @@ def evaluate(
     model.eval()
     n_cls = len(classes)
     if ds.labels.dim() == 2:
-        return _evaluate_multi_label(model, loader, ds, device=device, classes=classes, split=split,
-                                     amp=amp, on_event=on_event)
+        return _evaluate_multi_label(
+            model,
+            loader,
+            ds,
+            device=device,
+            classes=classes,
+            split=split,
+            amp=amp,
+            on_event=on_event,
+        )
     confusion = torch.zeros(n_cls, n_cls, dtype=torch.int64)
     loss_sum, top5_hits, count = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -206,8 +214,17 @@ def evaluate(
     )
 
 
-def _evaluate_multi_label(model: nn.Module, loader: Any, ds: Any, *, device: torch.device,
-                          classes: list[str], split: str, amp: bool, on_event: EventFn) -> EvalResult:
+def _evaluate_multi_label(
+    model: nn.Module,
+    loader: Any,
+    ds: Any,
+    *,
+    device: torch.device,
+    classes: list[str],
+    split: str,
+    amp: bool,
+    on_event: EventFn,
+) -> EvalResult:
     """Multi-label data (DiverseMultiMNIST): the paper's metric — for two digits the top-2
     classes equal the two labels, for one digit the top-1 class equals it. ``per_class`` is the
     recall of each class (share of its appearances found among the top-k, k = digits in the
@@ -225,7 +242,9 @@ def _evaluate_multi_label(model: nn.Module, loader: Any, ds: Any, *, device: tor
             logits = model(x)
         logits = logits.float()
         target = multi_hot(y, n_cls)
-        loss_sum += float(F.binary_cross_entropy_with_logits(logits, target, reduction="sum")) / n_cls
+        loss_sum += (
+            float(F.binary_cross_entropy_with_logits(logits, target, reduction="sum")) / n_cls
+        )
         correct += int(top2_correct(logits, y).sum())
         k = (y >= 0).sum(1)  # digits per image
         top2 = logits.topk(2, 1).indices
@@ -240,15 +259,24 @@ def _evaluate_multi_label(model: nn.Module, loader: Any, ds: Any, *, device: tor
         _emit(on_event, "eval_step", split=split, step=step + 1, steps=len(loader))
     seconds = time.perf_counter() - t0
     return EvalResult(
-        split=split, dataset=getattr(ds, "name", "?"), count=count, loss=loss_sum / max(count, 1),
-        accuracy=correct / max(count, 1), top5=top5_hits / max(count, 1),
-        per_class=(hits.double() / seen.clamp(min=1).double()).tolist(), confusion=[],
-        classes=list(classes), images_per_s=count / max(seconds, 1e-9), seconds=seconds,
+        split=split,
+        dataset=getattr(ds, "name", "?"),
+        count=count,
+        loss=loss_sum / max(count, 1),
+        accuracy=correct / max(count, 1),
+        top5=top5_hits / max(count, 1),
+        per_class=(hits.double() / seen.clamp(min=1).double()).tolist(),
+        confusion=[],
+        classes=list(classes),
+        images_per_s=count / max(seconds, 1e-9),
+        seconds=seconds,
         metric="top-2 exact match (DiverseMultiMNIST)",
     )
 
 
-def make_loss(preset: Preset, multi_label: bool, num_classes: int) -> Callable[[Tensor, Tensor, float], Tensor]:
+def make_loss(
+    preset: Preset, multi_label: bool, num_classes: int
+) -> Callable[[Tensor, Tensor, float], Tensor]:
     """``loss(logits, y, progress)``; ``progress`` in [0, 1] is the share of training done.
 
     ``auto``: cross-entropy (with label smoothing) for one label per image, binary
@@ -264,16 +292,23 @@ def make_loss(preset: Preset, multi_label: bool, num_classes: int) -> Callable[[
     smoothing = preset.train.label_smoothing
     if kind == "cross_entropy":
         if multi_label:
-            raise ConfigError("train.loss: cross_entropy needs one label per image; use bce or auto")
+            raise ConfigError(
+                "train.loss: cross_entropy needs one label per image; use bce or auto"
+            )
         return lambda logits, y, progress: F.cross_entropy(logits, y, label_smoothing=smoothing)
     if kind == "bce":
-        return lambda logits, y, progress: F.binary_cross_entropy_with_logits(logits, multi_hot(y, num_classes))
+        return lambda logits, y, progress: F.binary_cross_entropy_with_logits(
+            logits, multi_hot(y, num_classes)
+        )
     from capsctl.models import routing_baselines as rb
 
     if kind == "margin":
-        return lambda logits, y, progress: rb.margin_loss(logits, multi_hot(y, num_classes) if multi_label else y)
+        return lambda logits, y, progress: rb.margin_loss(
+            logits, multi_hot(y, num_classes) if multi_label else y
+        )
     return lambda logits, y, progress: rb.spread_loss(
-        logits, multi_hot(y, num_classes) if multi_label else y, 0.2 + 0.7 * min(1.0, 2 * progress))
+        logits, multi_hot(y, num_classes) if multi_label else y, 0.2 + 0.7 * min(1.0, 2 * progress)
+    )
 
 
 def count_correct(logits: Tensor, y: Tensor) -> Tensor:
@@ -319,7 +354,8 @@ def evaluate_checkpoint(
             "warning",
             message=(
                 f"the training data differs from the data {Path(path).name} was trained on "
-                f"(fingerprint {data.fingerprint} != {stored}); the validation split may overlap training"
+                f"(fingerprint {data.fingerprint} != {stored}); the validation split may overlap "
+                "training"
             ),
         )
     ds = data.val if split == "val" else data.test
@@ -558,15 +594,34 @@ def fit(
     device = resolve_device(t.device)
     dist = Distributed.from_env(device)
     try:
-        return _fit(preset, out, t, dist, dist.device, resume, overwrite,
-                    on_event if dist.is_main else None, handle_sigint, t_start)
+        return _fit(
+            preset,
+            out,
+            t,
+            dist,
+            dist.device,
+            resume,
+            overwrite,
+            on_event if dist.is_main else None,
+            handle_sigint,
+            t_start,
+        )
     finally:
         dist.close()
 
 
-def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.device,
-         resume: str | Path | None, overwrite: bool, on_event: EventFn, handle_sigint: bool,
-         t_start: float) -> FitResult:
+def _fit(
+    preset: Preset,
+    out: Path,
+    t: Any,
+    dist: Distributed,
+    device: torch.device,
+    resume: str | Path | None,
+    overwrite: bool,
+    on_event: EventFn,
+    handle_sigint: bool,
+    t_start: float,
+) -> FitResult:
     from capsctl.data import Loader
     from capsctl.models import build_model_from_config, param_groups
 
@@ -706,8 +761,17 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
         """Validation, best/last checkpoints and the metrics line (main process only)."""
         nonlocal best_acc, best_epoch
         if data.val is not None:
-            ev = evaluate(eval_model(), data.val, batch_size=t.eval_batch_size, device=device,
-                          mean=data.mean, std=data.std, classes=data.classes, split="val", amp=t.amp)
+            ev = evaluate(
+                eval_model(),
+                data.val,
+                batch_size=t.eval_batch_size,
+                device=device,
+                mean=data.mean,
+                std=data.std,
+                classes=data.classes,
+                split="val",
+                amp=t.amp,
+            )
             record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
             improved = ev.accuracy > best_acc
         else:
@@ -715,8 +779,11 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
         if improved:
             best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
             best_epoch = int(record["epoch"])
-            save_checkpoint(out / BEST, model_tensors(eval_model()),
-                            {**base_meta, "epoch": record["epoch"], "metrics": record, "kind": "best"})
+            save_checkpoint(
+                out / BEST,
+                model_tensors(eval_model()),
+                {**base_meta, "epoch": record["epoch"], "metrics": record, "kind": "best"},
+            )
         record["best"] = improved
         history.append(record)
         _write_text_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
@@ -751,7 +818,9 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
                     x = x.contiguous(memory_format=torch.channels_last)
                 with _autocast(device, t.amp):
                     logits = step_fn(x)
-                    loss = loss_fn(logits.float(), y, (epoch * steps_per_epoch + step) / total_steps)
+                    loss = loss_fn(
+                        logits.float(), y, (epoch * steps_per_epoch + step) / total_steps
+                    )
                 # with several processes, every rank learns of a bad loss or a Ctrl-C at once
                 bad, stop = dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
                 flag["stop"] = stop
@@ -763,7 +832,8 @@ def _fit(preset: Preset, out: Path, t: Any, dist: Distributed, device: torch.dev
                         else "no checkpoint was written yet"
                     )
                     raise CapsctlError(
-                        f"loss became {float(loss.detach())} at {where}; {kept}. Lower train.lr or set "
+                        f"loss became {float(loss.detach())} at {where}; {kept}. "
+                        "Lower train.lr or set "
                         "train.grad_clip"
                     )
                 optimizer.zero_grad(set_to_none=True)
@@ -948,8 +1018,13 @@ class Distributed:
             return loss_sum, correct, seen
         import torch.distributed as tdist
 
-        t = torch.stack([loss_sum.double(), correct.double(), torch.tensor(float(seen), device=self.device,
-                                                                         dtype=torch.float64)])
+        t = torch.stack(
+            [
+                loss_sum.double(),
+                correct.double(),
+                torch.tensor(float(seen), device=self.device, dtype=torch.float64),
+            ]
+        )
         tdist.all_reduce(t)
         return t[0], t[1].round().long(), int(t[2].item())
 
@@ -986,9 +1061,16 @@ def _normalize(raw: Tensor, mean: list[float], std: list[float]) -> Tensor:
     return (raw.float() / 255.0 - m) / s
 
 
-def sample_images(meta: dict[str, Any], *, split: str = "test", indices: list[int] | None = None,
-                  files: list[Path] | None = None, random: int | None = None, data_dir: str | None = None,
-                  seed: int = 0) -> SampleImages:
+def sample_images(
+    meta: dict[str, Any],
+    *,
+    split: str = "test",
+    indices: list[int] | None = None,
+    files: list[Path] | None = None,
+    random: int | None = None,
+    data_dir: str | None = None,
+    seed: int = 0,
+) -> SampleImages:
     """Inputs for a checkpoint: dataset images by index, image files, or a seeded random batch."""
     norm = meta.get("normalization") or {}
     mean, std = list(norm.get("mean", [0.0])), list(norm.get("std", [1.0]))
@@ -1002,7 +1084,9 @@ def sample_images(meta: dict[str, Any], *, split: str = "test", indices: list[in
     if random is not None:
         g = torch.Generator().manual_seed(seed)
         raw = torch.randint(0, 256, (random, channels, size, size), generator=g, dtype=torch.uint8)
-        return SampleImages(_normalize(raw, mean, std), raw, None, f"{random} random images (seed {seed})")
+        return SampleImages(
+            _normalize(raw, mean, std), raw, None, f"{random} random images (seed {seed})"
+        )
     preset = _preset_from_meta(meta, Path("checkpoint"))
     if data_dir is not None:
         preset.data.data_dir = data_dir
@@ -1023,11 +1107,18 @@ def sample_images(meta: dict[str, Any], *, split: str = "test", indices: list[in
     idx = indices if indices else list(range(min(8, len(ds))))
     bad = [i for i in idx if not 0 <= i < len(ds)]
     if bad:
-        raise UsageError(f"--indices {bad[0]}: out of range for the {split} split ({len(ds)} images)")
+        raise UsageError(
+            f"--indices {bad[0]}: out of range for the {split} split ({len(ds)} images)"
+        )
     sel = torch.tensor(idx)
     raw = ds.images[sel]
-    return SampleImages(_normalize(raw, mean, std), raw, ds.labels[sel],
-                        f"{len(idx)} {split} images of {ds.name} (indices {idx[:8]}{'...' if len(idx) > 8 else ''})")
+    return SampleImages(
+        _normalize(raw, mean, std),
+        raw,
+        ds.labels[sel],
+        f"{len(idx)} {split} images of {ds.name} "
+        f"(indices {idx[:8]}{'...' if len(idx) > 8 else ''})",
+    )
 
 
 def _read_image_file(path: Path, channels: int, size: int) -> Tensor:
@@ -1037,9 +1128,13 @@ def _read_image_file(path: Path, channels: int, size: int) -> Tensor:
     if not path.exists():
         raise UsageError(f"{path}: no such image file")
     try:
-        img = decode_image(str(path), mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB)
+        img = decode_image(
+            str(path), mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+        )
     except Exception as e:  # torchvision raises RuntimeError for unreadable files
-        raise CapsctlError(f"{path}: cannot read this image ({str(e)[:80]}); use a PNG or JPEG file") from None
+        raise CapsctlError(
+            f"{path}: cannot read this image ({str(e)[:80]}); use a PNG or JPEG file"
+        ) from None
     h, w = img.shape[-2:]
     if (h, w) != (size, size):
         img = resize(img, [size], antialias=True)

@@ -70,14 +70,20 @@ for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
         f"cifar100-caps{_suffix}",
         f"CIFAR-100 capsule net, {_bb} backbone, 6x6 poses, T=2 concurrent",
     )(lambda _bb=_bb: _caps100(_bb))
-    register(f"cifar10-dynamic{_suffix}", f"cifar10-caps{_suffix} with dynamic routing (Sabour et al. 2017)")(
-        lambda _bb=_bb: _caps10(_bb, "capsnet-dynamic"))
+    register(
+        f"cifar10-dynamic{_suffix}",
+        f"cifar10-caps{_suffix} with dynamic routing (Sabour et al. 2017)",
+    )(lambda _bb=_bb: _caps10(_bb, "capsnet-dynamic"))
     register(f"cifar10-em{_suffix}", f"cifar10-caps{_suffix} with EM routing (Hinton et al. 2018)")(
-        lambda _bb=_bb: _caps10(_bb, "capsnet-em"))
-    register(f"cifar100-dynamic{_suffix}", f"cifar100-caps{_suffix} with dynamic routing (Sabour et al. 2017)")(
-        lambda _bb=_bb: _caps100(_bb, "capsnet-dynamic"))
-    register(f"cifar100-em{_suffix}", f"cifar100-caps{_suffix} with EM routing (Hinton et al. 2018)")(
-        lambda _bb=_bb: _caps100(_bb, "capsnet-em"))
+        lambda _bb=_bb: _caps10(_bb, "capsnet-em")
+    )
+    register(
+        f"cifar100-dynamic{_suffix}",
+        f"cifar100-caps{_suffix} with dynamic routing (Sabour et al. 2017)",
+    )(lambda _bb=_bb: _caps100(_bb, "capsnet-dynamic"))
+    register(
+        f"cifar100-em{_suffix}", f"cifar100-caps{_suffix} with EM routing (Hinton et al. 2018)"
+    )(lambda _bb=_bb: _caps100(_bb, "capsnet-em"))
     register(f"cifar10-cnn{_suffix}", f"CNN as wide as cifar10-caps{_suffix} ({_bb} backbone)")(
         lambda _bb=_bb: _caps10(_bb, "cnn")
     )
@@ -110,11 +116,19 @@ def _mnist_cnn() -> ModelConfig:
     return _mnist_caps().replace(arch="cnn")
 
 
-@register("multimnist-caps", "capsule net for 36x36 DiverseMultiMNIST (simple backbone, two conv capsule layers)")
+@register(
+    "multimnist-caps",
+    "capsule net for 36x36 DiverseMultiMNIST (simple backbone, two conv capsule layers)",
+)
 def _multimnist_caps() -> ModelConfig:
     return ModelConfig(
-        arch="capsnet", num_classes=10, in_channels=1, input_size=36, backbone="simple",
-        primary_types=16, primary_dim=16,
+        arch="capsnet",
+        num_classes=10,
+        in_channels=1,
+        input_size=36,
+        backbone="simple",
+        primary_types=16,
+        primary_dim=16,
         layers=[
             CapsLayerSpec(kind="conv", types=16, pose_dim=16, kernel=3, stride=2),
             CapsLayerSpec(kind="conv", types=16, pose_dim=16, kernel=3, stride=1),

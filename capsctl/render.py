@@ -24,6 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+
 def _width(stream: object) -> int | None:
     """Terminal width for a TTY (rich decides); a wide page when output is piped or captured."""
     if os.environ.get("COLUMNS"):
@@ -74,13 +75,21 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-          right: Sequence[int] = ()) -> Table:
+def table(
+    title: str | None,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    right: Sequence[int] = (),
+) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
     last = len(columns) - 1
     for i, c in enumerate(columns):
-        t.add_column(c, justify="right" if i in right else "left", no_wrap=i != last,
-                     overflow="fold" if i != last else "ellipsis")
+        t.add_column(
+            c,
+            justify="right" if i in right else "left",
+            no_wrap=i != last,
+            overflow="fold" if i != last else "ellipsis",
+        )
     for r in rows:
         t.add_row(*[str(v) for v in r])
     return t
@@ -118,28 +127,41 @@ class TrainProgress:
         if kind == "epoch_start":
             if self.task is not None:
                 self.progress.remove_task(self.task)
-            self.task = self.progress.add_task(f"epoch {e['epoch']}/{e['epochs']}", total=e["steps"],
-                                               loss="-", speed="-")
+            self.task = self.progress.add_task(
+                f"epoch {e['epoch']}/{e['epochs']}", total=e["steps"], loss="-", speed="-"
+            )
         elif kind == "step" and self.task is not None:
-            self.progress.update(self.task, completed=e["step"], loss=f"{e['loss']:.4f}",
-                                 speed=f"{e['images_per_s']:.0f}")
+            self.progress.update(
+                self.task,
+                completed=e["step"],
+                loss=f"{e['loss']:.4f}",
+                speed=f"{e['images_per_s']:.0f}",
+            )
         elif kind == "epoch_end":
-            val = f"  val acc {fmt_pct(e.get('val_accuracy'))}  val loss {e.get('val_loss', 0):.4f}" \
-                if "val_accuracy" in e else ""
+            val = (
+                f"  val acc {fmt_pct(e.get('val_accuracy'))}  val loss {e.get('val_loss', 0):.4f}"
+                if "val_accuracy" in e
+                else ""
+            )
             star = "  [green]best[/]" if e.get("best") else ""
             if not self.quiet:
                 self.progress.console.print(
                     f"epoch {e['epoch']:>3}/{e['epochs']}  loss {e['train_loss']:.4f}  "
                     f"train acc {fmt_pct(e['train_accuracy'])}{val}  lr {e['lr']:.3g}  "
-                    f"{e['epoch_seconds']:.1f} s  {e['images_per_s']:.0f} img/s{star}")
+                    f"{e['epoch_seconds']:.1f} s  {e['images_per_s']:.0f} img/s{star}"
+                )
         elif kind == "data" and not self.quiet:
             self.progress.console.print(
-                f"data: {e['train']:,} train / {e['val']:,} val / {e['test']:,} test ({e['test_name']})")
+                f"data: {e['train']:,} train / {e['val']:,} val / {e['test']:,} test "
+                f"({e['test_name']})"
+            )
         elif kind == "resume" and not self.quiet:
             self.progress.console.print(f"resuming from {e['path']} after epoch {e['epoch']}")
         elif kind == "download" and not self.quiet:
             if self.task is None:
-                self.task = self.progress.add_task("download", total=e.get("total"), loss="-", speed="-")
+                self.task = self.progress.add_task(
+                    "download", total=e.get("total"), loss="-", speed="-"
+                )
             self.progress.update(self.task, completed=e["done"], total=e.get("total"))
         elif kind == "warning":
             self.progress.console.print(f"[yellow]warning:[/] {e['message']}")
@@ -148,8 +170,15 @@ class TrainProgress:
 @contextmanager
 def simple_progress(description: str, quiet: bool = False) -> Iterator[Any]:
     """A progress bar for evaluation-like loops; yields an event callback."""
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=err, transient=True, disable=quiet)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=quiet,
+    )
     task: dict[str, TaskID] = {}
 
     def on_event(e: dict[str, Any]) -> None:

@@ -77,8 +77,10 @@ def test_events(with_resnet: Run) -> None:
     ]
     steps = [e for e in events if e["event"] == "bench_step" and e["name"] == "tiny-caps"]
     assert [(e["phase"], e["step"], e["total"], e["warmup"]) for e in steps] == [
-        ("train", 1, 2, True), ("train", 2, 2, False),
-        ("infer", 1, 2, True), ("infer", 2, 2, False),
+        ("train", 1, 2, True),
+        ("train", 2, 2, False),
+        ("infer", 1, 2, True),
+        ("infer", 2, 2, False),
     ]
     # model event comes before its steps
     assert events.index(models[1]) < events.index(steps[0])
@@ -116,8 +118,9 @@ def test_routing_override_reaches_the_model(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(CapsNet, "set_routing", spy_set)
     monkeypatch.setattr(CapsNet, "class_poses", spy_poses)
-    rows = run_bench([tiny(), ("tiny-cnn", resolve_config(TINY_CNN))], iterations=3,
-                     routing="sequential", **FAST)
+    rows = run_bench(
+        [tiny(), ("tiny-cnn", resolve_config(TINY_CNN))], iterations=3, routing="sequential", **FAST
+    )
     assert calls == [(3, "sequential", 3, "sequential")]  # once, and only for the capsule model
     assert modes_used and set(modes_used) == {("sequential", 3)}  # every forward pass used it
     assert (rows[0].iterations, rows[0].routing) == (3, "sequential")
@@ -178,8 +181,14 @@ def test_unavailable_mps_is_usage_error() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(iters=0), dict(warmup=-1), dict(batch_size=0), dict(iterations=0),
-     dict(routing="parallel"), dict(threads=0)],
+    [
+        dict(iters=0),
+        dict(warmup=-1),
+        dict(batch_size=0),
+        dict(iterations=0),
+        dict(routing="parallel"),
+        dict(threads=0),
+    ],
 )
 def test_bad_arguments_are_usage_errors(kwargs: dict) -> None:
     args = {**FAST, **kwargs}

@@ -12,10 +12,20 @@ import pytest
 from capsctl.cli import main
 
 TINY = [
-    "--set", "model.primary_types=4",
-    "--set", "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
-    "--set", "train.steps_per_epoch=4", "--set", "data.val_size=200", "--batch-size", "16",
-    "--epochs", "1", "--device", "cpu",
+    "--set",
+    "model.primary_types=4",
+    "--set",
+    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
+    "--set",
+    "train.steps_per_epoch=4",
+    "--set",
+    "data.val_size=200",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--device",
+    "cpu",
 ]
 
 
@@ -40,7 +50,9 @@ def test_help_does_not_import_torch() -> None:
     code = "import sys, capsctl.cli; print('torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "False"
-    res = subprocess.run([sys.executable, "-m", "capsctl", "--help"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "capsctl", "--help"], capture_output=True, text=True
+    )
     assert res.returncode == 0 and "inspect-routing" in res.stdout
 
 
@@ -61,8 +73,16 @@ def test_models_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_presets_lists_required(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "presets", "--json")
     names = {p["name"] for p in json.loads(out)["presets"]}
-    assert {"cifar10-caps", "cifar10-caps-simple", "cifar100-caps", "cifar10-resnet18", "cifar100-resnet18",
-            "mnist-caps", "fashion-caps", "quickstart"} <= names
+    assert {
+        "cifar10-caps",
+        "cifar10-caps-simple",
+        "cifar100-caps",
+        "cifar10-resnet18",
+        "cifar100-resnet18",
+        "mnist-caps",
+        "fashion-caps",
+        "quickstart",
+    } <= names
 
 
 def test_train_json_and_run_folder(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,23 +93,31 @@ def test_train_json_and_run_folder(tiny_run: Path, capsys: pytest.CaptureFixture
 
 
 def test_eval_json_is_the_only_stdout(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "eval", str(tiny_run / "best.safetensors"), "--json", "--device", "cpu")
+    code, out, _ = run(
+        capsys, "eval", str(tiny_run / "best.safetensors"), "--json", "--device", "cpu"
+    )
     assert code == 0
     doc = json.loads(out)  # would fail if anything else were printed on stdout
     assert 0 <= doc["accuracy"] <= 1 and doc["count"] == 2000 and len(doc["confusion"]) == 10
 
 
 def test_eval_table(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "eval", str(tiny_run / "best.safetensors"), "--split", "val", "--device", "cpu")
+    code, out, _ = run(
+        capsys, "eval", str(tiny_run / "best.safetensors"), "--split", "val", "--device", "cpu"
+    )
     assert code == 0 and "top-1" in out and "confusion" in out and "Ankle" in out
 
 
-def test_resume_continues_a_run(tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_resume_continues_a_run(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     import shutil
 
     run_dir = tmp_path / "r"
     shutil.copytree(tiny_run, run_dir)
-    code, out, err = run(capsys, "train", "--resume", str(run_dir / "last.safetensors"), "--epochs", "2", "--json")
+    code, out, err = run(
+        capsys, "train", "--resume", str(run_dir / "last.safetensors"), "--epochs", "2", "--json"
+    )
     assert code == 0, err
     assert json.loads(out)["epochs_done"] == 2
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
@@ -99,7 +127,11 @@ def test_resume_continues_a_run(tiny_run: Path, capsys: pytest.CaptureFixture[st
     "args,code,needle",
     [
         (["train", "--preset", "nope"], 2, "unknown preset 'nope'"),
-        (["train", "--preset", "quickstart", "--set", "train.lr=abc"], 2, "train.lr: expected a number"),
+        (
+            ["train", "--preset", "quickstart", "--set", "train.lr=abc"],
+            2,
+            "train.lr: expected a number",
+        ),
         (["train", "--preset", "quickstart", "--set", "train.bogus=1"], 2, "train.bogus"),
         (["train", "--preset", "quickstart", "--set", "noequals"], 2, "noequals"),
         (["train", "--preset", "quickstart", "--lr", "-1"], 2, "train.lr: must be > 0"),
@@ -109,7 +141,9 @@ def test_resume_continues_a_run(tiny_run: Path, capsys: pytest.CaptureFixture[st
         (["inspect-routing", "missing.safetensors"], 2, "no such file"),
     ],
 )
-def test_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str], code: int, needle: str) -> None:
+def test_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], code: int, needle: str
+) -> None:
     got, out, err = run(capsys, *args)
     assert got == code
     assert needle in err
@@ -118,7 +152,9 @@ def test_errors_are_one_line(capsys: pytest.CaptureFixture[str], args: list[str]
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, b"\x08\x00\x00\x00\x00\x00\x00\x00{}"])
-def test_corrupt_checkpoint_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes) -> None:
+def test_corrupt_checkpoint_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes
+) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(content)
     code, _, err = run(capsys, "eval", str(bad))
@@ -129,8 +165,11 @@ def test_corrupt_checkpoint_is_one_line(capsys: pytest.CaptureFixture[str], tmp_
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"x")
-    res = subprocess.run([sys.executable, "-m", "capsctl", "--debug", "eval", str(bad)], capture_output=True,
-                         text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "capsctl", "--debug", "eval", str(bad)],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0 and "Traceback" in res.stderr
 
 
@@ -140,20 +179,53 @@ def test_refuses_an_existing_run(tiny_run: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "bench", "mnist-caps", "--batch-size", "2", "--iters", "1", "--warmup", "0",
-                       "--routing", "sequential", "--iterations", "3", "--json")
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "mnist-caps",
+        "--batch-size",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--routing",
+        "sequential",
+        "--iterations",
+        "3",
+        "--json",
+    )
     assert code == 0
     row = json.loads(out)["rows"][0]
     assert row["name"] == "mnist-caps" and row["routing"] == "sequential" and row["iterations"] == 3
-    assert row["train_step_s"] > 0 and row["infer_images_per_s"] > 0 and row["peak_rss_bytes"] > 10 * 2**20
+    assert (
+        row["train_step_s"] > 0
+        and row["infer_images_per_s"] > 0
+        and row["peak_rss_bytes"] > 10 * 2**20
+    )
 
 
-def test_inspect_routing_json_dump_png(tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_inspect_routing_json_dump_png(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     pytest.importorskip("matplotlib")
     dump = tmp_path / "coeffs.safetensors"
-    code, out, err = run(capsys, "inspect-routing", str(tiny_run / "best.safetensors"), "--indices", "0,5",
-                         "--iterations", "3", "--routing", "sequential", "--json", "--dump", str(dump),
-                         "--png", str(tmp_path / "png"))
+    code, out, err = run(
+        capsys,
+        "inspect-routing",
+        str(tiny_run / "best.safetensors"),
+        "--indices",
+        "0,5",
+        "--iterations",
+        "3",
+        "--routing",
+        "sequential",
+        "--json",
+        "--dump",
+        str(dump),
+        "--png",
+        str(tmp_path / "png"),
+    )
     assert code == 0, err
     doc = json.loads(out)
     assert doc["iterations"] == 3 and len(doc["layers"]) == 2 and len(doc["images"]) == 2
@@ -161,27 +233,58 @@ def test_inspect_routing_json_dump_png(tiny_run: Path, capsys: pytest.CaptureFix
     assert len(list((tmp_path / "png").glob("*.png"))) == 2 * 3 + 2
 
 
-def test_export_safetensors_and_onnx(tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_export_safetensors_and_onnx(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     out_file = tmp_path / "release.safetensors"
-    code, out, err = run(capsys, "export", str(tiny_run / "best.safetensors"), "--format", "safetensors",
-                         "--out", str(out_file), "--json")
+    code, out, err = run(
+        capsys,
+        "export",
+        str(tiny_run / "best.safetensors"),
+        "--format",
+        "safetensors",
+        "--out",
+        str(out_file),
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["max_abs_diff"] == 0.0
     pytest.importorskip("onnxruntime")
-    code, out, err = run(capsys, "export", str(tiny_run / "best.safetensors"), "--format", "onnx", "--out",
-                         str(tmp_path / "m.onnx"), "--check-images", "5", "--json")
+    code, out, err = run(
+        capsys,
+        "export",
+        str(tiny_run / "best.safetensors"),
+        "--format",
+        "onnx",
+        "--out",
+        str(tmp_path / "m.onnx"),
+        "--check-images",
+        "5",
+        "--json",
+    )
     assert code == 0, err
     doc = json.loads(out)
     assert doc["max_abs_diff"] <= 1e-4 and "test images" in doc["checked_on"]
 
 
-def test_export_to_unwritable_path(tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, _, err = run(capsys, "export", str(tiny_run / "best.safetensors"), "--format", "safetensors", "--out",
-                       str(tmp_path / "no" / "such" / "dir" / "x.safetensors"))
+def test_export_to_unwritable_path(
+    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run(
+        capsys,
+        "export",
+        str(tiny_run / "best.safetensors"),
+        "--format",
+        "safetensors",
+        "--out",
+        str(tmp_path / "no" / "such" / "dir" / "x.safetensors"),
+    )
     assert code in (1, 2) and len(err.strip().splitlines()) == 1
 
 
-def test_compare_json_and_suite(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compare_json_and_suite(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     code, out, err = run(capsys, "compare", "caps", "resnet18", "--json")
     assert code == 0, err
     doc = json.loads(out)

@@ -156,7 +156,11 @@ def test_name_defaults_to_file_stem(tmp_path: Path) -> None:
             "model.layers=[{pose: tensor}]",
             "model.layers[0].pose: expected one of 'matrix', 'vector'",
         ),
-        ("model.arch=vgg", "model.arch: expected one of 'capsnet', 'capsnet-dynamic', 'capsnet-em', 'cnn', 'resnet18'"),
+        (
+            "model.arch=vgg",
+            "model.arch: expected one of 'capsnet', 'capsnet-dynamic', 'capsnet-em', 'cnn', "
+            "'resnet18'",
+        ),
         # out of range
         ("train.lr=-0.1", "train.lr: must be > 0"),
         ("train.lr=0", "train.lr: must be > 0"),

@@ -15,12 +15,29 @@ from capsctl.checkpoint import load_tensors
 from capsctl.data import Loader, load_dataset
 
 TINY = [
-    "--set", "model.primary_types=4",
-    "--set", "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
-    "--set", "train.steps_per_epoch=5", "--set", "data.val_size=200",
-    "--set", "data.augment={crop_padding: 2, hflip: true}",
-    "--set", "train.optimizer=sgd", "--set", "train.lr=0.05", "--set", "train.schedule=constant",
-    "--batch-size", "16", "--epochs", "2", "--device", "cpu", "--json",
+    "--set",
+    "model.primary_types=4",
+    "--set",
+    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
+    "--set",
+    "train.steps_per_epoch=5",
+    "--set",
+    "data.val_size=200",
+    "--set",
+    "data.augment={crop_padding: 2, hflip: true}",
+    "--set",
+    "train.optimizer=sgd",
+    "--set",
+    "train.lr=0.05",
+    "--set",
+    "train.schedule=constant",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "2",
+    "--device",
+    "cpu",
+    "--json",
 ]
 
 # Stated tolerance: the processes average gradients with an all-reduce, whose summation order
@@ -30,7 +47,9 @@ TOLERANCE = 1e-4
 
 def test_ranks_together_see_the_single_process_batches() -> None:
     ds = load_dataset("fashion-mnist-quickstart", "train")
-    kw = dict(shuffle=True, seed=5, mean=[0.5], std=[0.5], crop_padding=2, hflip=True, drop_last=True)
+    kw = dict(
+        shuffle=True, seed=5, mean=[0.5], std=[0.5], crop_padding=2, hflip=True, drop_last=True
+    )
     single = list(Loader(ds, 16, **kw))  # type: ignore[arg-type]
     ranks = [list(Loader(ds, 8, rank=r, world_size=2, **kw)) for r in range(2)]  # type: ignore[arg-type]
     assert len(ranks[0]) == len(ranks[1]) == len(single)
@@ -49,10 +68,25 @@ def _env() -> dict[str, str]:
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     base = [sys.executable, "-m", "capsctl", "train", "--preset", "quickstart", *TINY]
-    res = subprocess.run([*base, "--out", str(one)], capture_output=True, text=True, env=_env(), timeout=600)
+    res = subprocess.run(
+        [*base, "--out", str(one)], capture_output=True, text=True, env=_env(), timeout=600
+    )
     assert res.returncode == 0, res.stderr[-2000:]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "capsctl", "train", "--preset", "quickstart", *TINY, "--out", str(two)]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "capsctl",
+        "train",
+        "--preset",
+        "quickstart",
+        *TINY,
+        "--out",
+        str(two),
+    ]
     res = subprocess.run(launcher, capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     # one JSON document from rank 0 only
@@ -77,5 +111,19 @@ def test_nproc_relaunches_the_same_command_under_torchrun(monkeypatch: pytest.Mo
     argv = ["capsctl", "train", "--preset", "quickstart", "--nproc", "2", "--epochs", "1"]
     monkeypatch.setattr(sys, "argv", argv)
     cli.main(argv[1:])
-    assert seen == [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                     "-m", "capsctl", "train", "--preset", "quickstart", "--epochs", "1"]]
+    assert seen == [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "capsctl",
+            "train",
+            "--preset",
+            "quickstart",
+            "--epochs",
+            "1",
+        ]
+    ]

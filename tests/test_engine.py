@@ -1,4 +1,4 @@
-"""Training engine: checkpoints, exact resume (after an epoch and mid-epoch), evaluation, schedules."""
+"""Training engine: checkpoints, exact resume (after an epoch and mid-epoch), evaluation."""
 
 from __future__ import annotations
 
@@ -27,13 +27,25 @@ def tiny_preset(**train: object) -> Preset:
     raw["model"] = TINY_MODEL
     raw["data"]["val_size"] = 200
     raw["data"]["augment"] = {"crop_padding": 2, "hflip": True}
-    raw["train"].update({"epochs": 2, "batch_size": 16, "eval_batch_size": 500, "steps_per_epoch": 6,
-                         "deterministic": True, "seed": 3, "ema_decay": 0.9, **train})
+    raw["train"].update(
+        {
+            "epochs": 2,
+            "batch_size": 16,
+            "eval_batch_size": 500,
+            "steps_per_epoch": 6,
+            "deterministic": True,
+            "seed": 3,
+            "ema_decay": 0.9,
+            **train,
+        }
+    )
     return preset_from_dict(raw)
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_tensors(path).items() if k.startswith(("model.", "ema.", "optim."))}
+    return {
+        k: v for k, v in load_tensors(path).items() if k.startswith(("model.", "ema.", "optim."))
+    }
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -125,10 +137,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
     def cross_entropy(*args: object, **kw: object) -> torch.Tensor:
         loss = real.cross_entropy(*args, **kw)  # type: ignore[arg-type]
         calls["n"] += 1
-        return loss * float("nan") if calls["n"] == 6 + 1 + 2 else loss  # 6 steps, 1 val batch, then step 2
+        return (
+            loss * float("nan") if calls["n"] == 6 + 1 + 2 else loss
+        )  # 6 steps, 1 val batch, then step 2
 
     monkeypatch.setattr(engine, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
-    with pytest.raises(CapsctlError, match=r"loss became nan at epoch 2, step 2; the last good checkpoint"):
+    with pytest.raises(
+        CapsctlError, match=r"loss became nan at epoch 2, step 2; the last good checkpoint"
+    ):
         fit(tiny_preset(), tmp_path)
     assert read_metadata(tmp_path / LAST)["epoch"] == 1
     load_checkpoint(tmp_path / LAST)
@@ -143,7 +159,8 @@ def test_evaluate_checkpoint_val_and_test(tmp_path: Path) -> None:
     val, _ = evaluate_checkpoint(tmp_path / BEST, split="val", device="cpu")
     assert val.count == 200
     assert abs(val.accuracy - meta["metrics"]["val_accuracy"]) < 1e-9
-    assert abs(sum(a * n for a, n in zip(val.per_class, map(sum, val.confusion))) / 200 - val.accuracy) < 1e-9
+    hits = sum(a * n for a, n in zip(val.per_class, map(sum, val.confusion), strict=True))
+    assert abs(hits / 200 - val.accuracy) < 1e-9
 
 
 @pytest.mark.parametrize("schedule", ["multistep", "cosine", "onecycle", "constant"])

@@ -23,10 +23,18 @@ from capsctl.checkpoint import load_checkpoint, load_tensors, read_metadata
 from capsctl.cli import main
 
 TINY = [
-    "--set", "model.primary_types=4",
-    "--set", "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
-    "--set", "train.steps_per_epoch=4", "--set", "data.val_size=200", "--batch-size", "16",
-    "--device", "cpu",
+    "--set",
+    "model.primary_types=4",
+    "--set",
+    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
+    "--set",
+    "train.steps_per_epoch=4",
+    "--set",
+    "data.val_size=200",
+    "--batch-size",
+    "16",
+    "--device",
+    "cpu",
 ]
 
 
@@ -43,7 +51,20 @@ def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, s
 @pytest.fixture(scope="module")
 def good_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("good")
-    main(["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out", str(out), "--overwrite", "--json"])
+    main(
+        [
+            "train",
+            "--preset",
+            "quickstart",
+            *TINY,
+            "--epochs",
+            "1",
+            "--out",
+            str(out),
+            "--overwrite",
+            "--json",
+        ]
+    )
     return out / "best.safetensors"
 
 
@@ -113,51 +134,144 @@ def _truncated(tmp: Path, good: Path) -> Path:
 Case = Callable[[Path, Path], list[str]]
 
 CASES: dict[str, tuple[Case, int, str]] = {
-    "corrupt checkpoint": (lambda t, g: ["eval", str(_write(t / "c.safetensors", os.urandom(300)))], 1,
-                           "c.safetensors"),
+    "corrupt checkpoint": (
+        lambda t, g: ["eval", str(_write(t / "c.safetensors", os.urandom(300)))],
+        1,
+        "c.safetensors",
+    ),
     "truncated checkpoint": (lambda t, g: ["eval", str(_truncated(t, g))], 1, "trunc.safetensors"),
     "foreign safetensors": (lambda t, g: ["eval", str(_foreign(t))], 1, "not written by capsctl"),
-    "pickle checkpoint": (lambda t, g: ["eval", str(_write(t / "m.pt", b"PK\x03\x04" + b"\0" * 100))], 1,
-                          "m.pt"),
-    "metadata does not match tensors": (lambda t, g: ["eval", str(_mismatched(t, g))], 1,
-                                        "does not match its tensors"),
-    "yaml syntax error": (lambda t, g: ["train", "--preset", _yaml(t, "train: {epochs: 3\n")], 2, "p.yaml"),
-    "unknown key": (lambda t, g: ["train", "--preset", _yaml(t, "train: {epoch: 3}\n")], 2, "train.epoch"),
-    "wrong type": (lambda t, g: ["train", "--preset", _yaml(t, "train: {epochs: many}\n")], 2, "train.epochs"),
-    "out of range (yaml)": (lambda t, g: ["train", "--preset", _yaml(t, "model: {base: mnist-caps, dropout: 2}\n")],
-                            2, "model.dropout"),
-    "out of range (--set)": (lambda t, g: ["train", "--preset", "quickstart", "--set", "train.momentum=1.5"], 2,
-                             "train.momentum"),
-    "out of range (flag)": (lambda t, g: ["train", "--preset", "quickstart", "--epochs", "0"], 2, "train.epochs"),
+    "pickle checkpoint": (
+        lambda t, g: ["eval", str(_write(t / "m.pt", b"PK\x03\x04" + b"\0" * 100))],
+        1,
+        "m.pt",
+    ),
+    "metadata does not match tensors": (
+        lambda t, g: ["eval", str(_mismatched(t, g))],
+        1,
+        "does not match its tensors",
+    ),
+    "yaml syntax error": (
+        lambda t, g: ["train", "--preset", _yaml(t, "train: {epochs: 3\n")],
+        2,
+        "p.yaml",
+    ),
+    "unknown key": (
+        lambda t, g: ["train", "--preset", _yaml(t, "train: {epoch: 3}\n")],
+        2,
+        "train.epoch",
+    ),
+    "wrong type": (
+        lambda t, g: ["train", "--preset", _yaml(t, "train: {epochs: many}\n")],
+        2,
+        "train.epochs",
+    ),
+    "out of range (yaml)": (
+        lambda t, g: ["train", "--preset", _yaml(t, "model: {base: mnist-caps, dropout: 2}\n")],
+        2,
+        "model.dropout",
+    ),
+    "out of range (--set)": (
+        lambda t, g: ["train", "--preset", "quickstart", "--set", "train.momentum=1.5"],
+        2,
+        "train.momentum",
+    ),
+    "out of range (flag)": (
+        lambda t, g: ["train", "--preset", "quickstart", "--epochs", "0"],
+        2,
+        "train.epochs",
+    ),
     "unknown preset": (lambda t, g: ["train", "--preset", "no-such-preset"], 2, "unknown preset"),
-    "unknown model": (lambda t, g: ["train", "--preset", _yaml(t, "model: no-such-model\n")], 2, "unknown model"),
-    "missing dataset": (lambda t, g: ["train", "--preset", "mnist-caps", "--data-dir", str(t / "empty"),
-                                      "--set", "data.download=false"], 1, "mnist"),
+    "unknown model": (
+        lambda t, g: ["train", "--preset", _yaml(t, "model: no-such-model\n")],
+        2,
+        "unknown model",
+    ),
+    "missing dataset": (
+        lambda t, g: [
+            "train",
+            "--preset",
+            "mnist-caps",
+            "--data-dir",
+            str(t / "empty"),
+            "--set",
+            "data.download=false",
+        ],
+        1,
+        "mnist",
+    ),
     "malformed dataset file": (lambda t, g: _malformed_idx(t), 1, "train-images"),
-    "pickle that asks for code": (lambda t, g: ["train", "--preset", "cifar10-caps-simple", "--data-dir",
-                                                str(_cifar_folder(t, evil=True)), "--set", "data.download=false",
-                                                "--set", "data.val_size=0"], 1, "refuses"),
-    "unreadable image in a folder": (lambda t, g: ["train", "--preset", "quickstart", "--set",
-                                                   f"data.dataset={_imagefolder(t)}"], 1, "broken.png"),
-    "output folder holds a run": (lambda t, g: ["train", "--preset", "quickstart", "--out", str(g.parent)], 2,
-                                  "already holds a run"),
-    "export path not writable": (lambda t, g: ["export", str(g), "--format", "safetensors", "--out",
-                                               str(t / "missing" / "x.safetensors")], 1, "x.safetensors"),
+    "pickle that asks for code": (
+        lambda t, g: [
+            "train",
+            "--preset",
+            "cifar10-caps-simple",
+            "--data-dir",
+            str(_cifar_folder(t, evil=True)),
+            "--set",
+            "data.download=false",
+            "--set",
+            "data.val_size=0",
+        ],
+        1,
+        "refuses",
+    ),
+    "unreadable image in a folder": (
+        lambda t, g: [
+            "train",
+            "--preset",
+            "quickstart",
+            "--set",
+            f"data.dataset={_imagefolder(t)}",
+        ],
+        1,
+        "broken.png",
+    ),
+    "output folder holds a run": (
+        lambda t, g: ["train", "--preset", "quickstart", "--out", str(g.parent)],
+        2,
+        "already holds a run",
+    ),
+    "export path not writable": (
+        lambda t, g: [
+            "export",
+            str(g),
+            "--format",
+            "safetensors",
+            "--out",
+            str(t / "missing" / "x.safetensors"),
+        ],
+        1,
+        "x.safetensors",
+    ),
 }
 
 
 def _malformed_idx(tmp: Path) -> list[str]:
     d = tmp / "mnist"
     d.mkdir(parents=True)
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         (d / name).write_bytes(b"\x00\x00\x08\x03garbage")
-    return ["train", "--preset", "mnist-caps", "--data-dir", str(tmp), "--set", "data.download=false"]
+    return [
+        "train",
+        "--preset",
+        "mnist-caps",
+        "--data-dir",
+        str(tmp),
+        "--set",
+        "data.download=false",
+    ]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line(case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                               good_ckpt: Path) -> None:
+def test_bad_input_is_one_line(
+    case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, good_ckpt: Path
+) -> None:
     make, code, needle = CASES[case]
     args = make(tmp_path, good_ckpt)
     got, _, err = run_cli(capsys, args)
@@ -168,8 +282,9 @@ def test_bad_input_is_one_line(case: str, capsys: pytest.CaptureFixture[str], tm
     assert not Path("/tmp/capsctl-pwned").exists()
 
 
-def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_full_disk_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
     main(["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out", str(out), "--json"])
     capsys.readouterr()
@@ -181,8 +296,9 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(ck, "_write_all", full)
     best_before = (out / "best.safetensors").read_bytes()
-    code, _, err = run_cli(capsys, ["train", "--resume", str(out / "last.safetensors"), "--epochs", "2",
-                                    "--json"])
+    code, _, err = run_cli(
+        capsys, ["train", "--resume", str(out / "last.safetensors"), "--epochs", "2", "--json"]
+    )
     assert code == 1 and "No space left on device" in err and "previous file is unchanged" in err
     assert len(err.strip().splitlines()) == 1
     assert (out / "last.safetensors").read_bytes() == before
@@ -191,9 +307,26 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: py
 
 
 def test_non_finite_loss_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run_cli(capsys, ["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out",
-                                    str(tmp_path), "--set", "train.optimizer=sgd", "--lr", "1e30",
-                                    "--set", "train.schedule=constant", "--json"])
+    code, _, err = run_cli(
+        capsys,
+        [
+            "train",
+            "--preset",
+            "quickstart",
+            *TINY,
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "train.optimizer=sgd",
+            "--lr",
+            "1e30",
+            "--set",
+            "train.schedule=constant",
+            "--json",
+        ],
+    )
     assert code == 1 and "loss became" in err and "step" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -206,8 +339,21 @@ def _cmd(out: Path, resume: bool) -> list[str]:
     base = [sys.executable, "-m", "capsctl", "train"]
     if resume:
         return [*base, "--resume", str(out / "last.safetensors"), "--json"]
-    return [*base, "--preset", "quickstart", *TINY, "--epochs", str(EPOCHS), "--set",
-            "train.time_limit=null", "--set", "train.eval_batch_size=200", "--out", str(out), "--json"]
+    return [
+        *base,
+        "--preset",
+        "quickstart",
+        *TINY,
+        "--epochs",
+        str(EPOCHS),
+        "--set",
+        "train.time_limit=null",
+        "--set",
+        "train.eval_batch_size=200",
+        "--out",
+        str(out),
+        "--json",
+    ]
 
 
 EPOCHS = 60
@@ -238,8 +384,9 @@ def _check_final_files(out: Path) -> None:
 
 def test_sigint_saves_a_resumable_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(out, False), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+    proc = subprocess.Popen(
+        _cmd(out, False), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -261,8 +408,13 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
     kills = 0
     while kills < 10:
         resume = (out / "last.safetensors").exists()
-        proc = subprocess.Popen(_cmd(out, resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, env=_env())
+        proc = subprocess.Popen(
+            _cmd(out, resume),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         time.sleep(rng.uniform(2.0, 6.0))
         if proc.poll() is not None:
             _, err = proc.communicate()
@@ -273,8 +425,13 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
         kills += 1
         if out.exists():
             _check_final_files(out)
-    res = subprocess.run(_cmd(out, (out / "last.safetensors").exists()), capture_output=True, text=True,
-                         env=_env(), timeout=600)
+    res = subprocess.run(
+        _cmd(out, (out / "last.safetensors").exists()),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     if res.returncode != 0:  # already complete: a finished run refuses nothing but has nothing left
         pytest.fail(res.stderr[-2000:])
     _check_final_files(out)

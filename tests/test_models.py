@@ -72,7 +72,9 @@ def test_every_registered_model_trains_one_step(name: str) -> None:
         assert p.grad.abs().sum() > 0, pname
 
 
-@pytest.mark.parametrize("name,routing", [("cifar10-caps", "concurrent"), ("cifar10-caps-simple", "sequential")])
+@pytest.mark.parametrize(
+    "name,routing", [("cifar10-caps", "concurrent"), ("cifar10-caps-simple", "sequential")]
+)
 def test_eval_output_is_independent_of_the_batch(name: str, routing: str) -> None:
     torch.manual_seed(1)
     model = capsctl.build_model(name).eval()

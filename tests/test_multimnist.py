@@ -18,7 +18,9 @@ def fake_mnist(n: int = 300) -> ArrayDataset:
     images = torch.zeros(n, 1, 28, 28, dtype=torch.uint8)
     labels = torch.arange(n) % 10
     for i in range(n):  # a bright bar whose row encodes the class
-        images[i, 0, 4 + 2 * int(labels[i]), 4:24] = 200 + int(torch.randint(0, 50, (1,), generator=g))
+        images[i, 0, 4 + 2 * int(labels[i]), 4:24] = 200 + int(
+            torch.randint(0, 50, (1,), generator=g)
+        )
     return ArrayDataset(images, labels, [str(i) for i in range(10)], "mnist")
 
 
@@ -62,7 +64,9 @@ def test_top2_metric_and_multi_hot() -> None:
     assert multi_hot(y, 3).tolist() == [[1, 1, 0], [1, 1, 0], [0, 1, 0], [0, 0, 1]]
 
 
-def test_multi_label_training_and_evaluation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multi_label_training_and_evaluation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import capsctl.data.sources as sources
 
     fake = fake_mnist(400)
@@ -80,8 +84,15 @@ def test_multi_label_training_and_evaluation(tmp_path: Path, monkeypatch: pytest
 
     model, meta = load_checkpoint(tmp_path / "best.safetensors")
     ds = diverse_multimnist(fake, 64, seed=9)
-    ev = evaluate(model, ds, batch_size=32, device=torch.device("cpu"), mean=[0.1307], std=[0.3081],
-                  classes=meta["classes"])
+    ev = evaluate(
+        model,
+        ds,
+        batch_size=32,
+        device=torch.device("cpu"),
+        mean=[0.1307],
+        std=[0.3081],
+        classes=meta["classes"],
+    )
     with torch.no_grad():
         x = (ds.images.float() / 255 - 0.1307) / 0.3081
         manual = top2_correct(model(x), ds.labels).float().mean().item()

@@ -39,15 +39,20 @@ def _place(digits: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, canvas: int
     return out * valid
 
 
-def diverse_multimnist(mnist: ArrayDataset, n: int | None = None, *, seed: int = 0,
-                       name: str = "diverse-multimnist") -> ArrayDataset:
+def diverse_multimnist(
+    mnist: ArrayDataset, n: int | None = None, *, seed: int = 0, name: str = "diverse-multimnist"
+) -> ArrayDataset:
     """Build ``n`` DiverseMultiMNIST images from an MNIST split (default: one per image)."""
     count = len(mnist) if n is None else int(n)
     gen = torch.Generator().manual_seed(int(seed))
     digits = mnist.images[:, 0]  # [N, 28, 28]
     labels = mnist.labels
     total = len(mnist)
-    first = torch.arange(count) % total if n is None else torch.randint(0, total, (count,), generator=gen)
+    first = (
+        torch.arange(count) % total
+        if n is None
+        else torch.randint(0, total, (count,), generator=gen)
+    )
     pair = torch.rand(count, generator=gen) >= SINGLE_FRACTION
     second = torch.randint(0, total, (count,), generator=gen)
     clash = pair & (labels[second] == labels[first])
@@ -63,7 +68,9 @@ def diverse_multimnist(mnist: ArrayDataset, n: int | None = None, *, seed: int =
         b = _place(digits[second[s:e]], shifts[2, s:e], shifts[3, s:e], CANVAS)  # [n, 36, 36]
         b = b * pair[s:e, None, None]
         images[s:e, 0] = torch.maximum(a, b)
-    y = torch.stack([labels[first], torch.where(pair, labels[second], torch.full_like(labels[first], -1))], 1)
+    y = torch.stack(
+        [labels[first], torch.where(pair, labels[second], torch.full_like(labels[first], -1))], 1
+    )
     return ArrayDataset(images.contiguous(), y.contiguous(), list(mnist.classes), name)
 
 
@@ -72,7 +79,9 @@ def multi_hot(y: torch.Tensor, classes: int) -> torch.Tensor:
     if y.dim() == 1:
         return torch.nn.functional.one_hot(y, classes).float()
     hot = torch.zeros(y.shape[0], classes + 1, device=y.device)
-    hot.scatter_(1, torch.where(y < 0, classes, y), 1.0)  # [B, classes + 1]: -1 goes to a spare slot
+    hot.scatter_(
+        1, torch.where(y < 0, classes, y), 1.0
+    )  # [B, classes + 1]: -1 goes to a spare slot
     return hot[:, :classes]
 
 

@@ -64,7 +64,8 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
                 ) from None
             if spec.pose_dim != dim:
                 raise ConfigError(
-                    f"{where}.pose_dim: matrix poses keep their dim ({dim}); use pose: vector to change it"
+                    f"{where}.pose_dim: matrix poses keep their dim ({dim}); "
+                    "use pose: vector to change it"
                 ) from None
         if spec.kind == "conv":
             if kind != "conv":
@@ -165,7 +166,9 @@ class CapsNet(nn.Module):
                 self._child_grids.append((g, g, item["child_types"]) if g is not None else None)  # type: ignore[arg-type]
         self.capsules = nn.ModuleList(layers)
         dim = self.capsules[-1].out_dim
-        self.head = nn.Linear(dim, 1) if cfg.head == "shared" else PerClassHead(cfg.num_classes, dim)
+        self.head = (
+            nn.Linear(dim, 1) if cfg.head == "shared" else PerClassHead(cfg.num_classes, dim)
+        )
 
     def set_routing(self, iterations: int | None = None, mode: str | None = None) -> None:
         """Change T or the schedule without touching the weights."""
@@ -245,7 +248,8 @@ def describe(cfg: ModelConfig) -> str:
         spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
         if spec.kind == "conv":
             parts.append(
-                f"conv {spec.types}x{spec.pose_dim} k{spec.kernel}s{spec.stride} -> {item['out_grid']}x{item['out_grid']}"
+                f"conv {spec.types}x{spec.pose_dim} k{spec.kernel}s{spec.stride} "
+                f"-> {item['out_grid']}x{item['out_grid']}"
             )
         else:
             parts.append(f"fc {item['in_types']}->{spec.types}")
