@@ -178,3 +178,41 @@ def test_lr_schedules(schedule: str) -> None:
         assert set(f) == {1.0}
     warm = tiny_preset(schedule="constant", warmup_epochs=2.0)
     assert lr_factor(warm, 0, 10) == pytest.approx(0.05) and lr_factor(warm, 25, 10) == 1.0
+
+
+def test_training_options_run_and_change_the_result(tmp_path: Path) -> None:
+    """bf16 autocast, channels_last, gradient clipping, label smoothing, AdamW with cosine and
+    warmup: a run with all of them trains, and differs from the plain run."""
+    plain = fit(tiny_preset(epochs=1, ema_decay=None), tmp_path / "plain", handle_sigint=False)
+    opts = tiny_preset(
+        epochs=1,
+        ema_decay=None,
+        amp=True,
+        channels_last=True,
+        grad_clip=0.5,
+        label_smoothing=0.1,
+        optimizer="adamw",
+        lr=0.003,
+        schedule="cosine",
+        warmup_epochs=0.5,
+    )
+    res = fit(opts, tmp_path / "opts", handle_sigint=False)
+    assert res.test is not None and plain.test is not None
+    a = load_tensors(tmp_path / "plain" / LAST)
+    b = load_tensors(tmp_path / "opts" / LAST)
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
+    assert "optim.state.0.exp_avg" in b or any(k.startswith("optim.") and "exp_avg" in k for k in b)
+
+
+def test_per_class_head_and_ablation_knobs(tmp_path: Path) -> None:
+    p = tiny_preset(epochs=1, ema_decay=None)
+    p.model.head = "per_class"
+    p.model.layer_norm = False
+    p.model.agreement_scale = False
+    p.model.iterations = 3
+    p.model.routing = "sequential"
+    fit(p, tmp_path, handle_sigint=False)
+    model, meta = load_checkpoint(tmp_path / BEST)
+    assert meta["preset"]["model"]["head"] == "per_class"
+    assert model.head.weight.shape == (10, 16)
+    assert model.iterations == 3 and model.routing == "sequential"

@@ -21,7 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsctl.layers.routing import routed_pass
+from capsctl.layers.routing import routed_pass as _routed_pass
+
+
+def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """The routed pass in float32, also under autocast (its buffers and softmax stay float32)."""
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return _routed_pass(x.float(), w.float(), p.float(), scale)
+    return _routed_pass(x, w, p, scale)
+
 
 PoseKind = Literal["matrix", "vector"]
 
@@ -145,7 +154,7 @@ class FCCapsules(CapsuleLayer):
         b = x.shape[0]
         n, m, a = self.in_types, self.out_types, self.rows
         xm = x.view(b, n, a, self.cols_in).transpose(1, 2)  # [b, a, n, x]
-        s = xm.reshape(b * a, n * self.cols_in) @ self.weight.view(
+        s = xm.reshape(b * a, n * self.cols_in) @ self.weight.reshape(
             n * self.cols_in, -1
         )  # [b*a, m*c]
         s = s.view(b, a, m, self.cols_out).transpose(1, 2)  # [b, m, a, c]
