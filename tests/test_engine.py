@@ -216,3 +216,39 @@ def test_per_class_head_and_ablation_knobs(tmp_path: Path) -> None:
     assert meta["preset"]["model"]["head"] == "per_class"
     assert model.head.weight.shape == (10, 16)
     assert model.iterations == 3 and model.routing == "sequential"
+
+
+def test_compile_option_compiles_the_model_and_uses_the_dense_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compile hands the training module to torch.compile; under compilation the routed pass
+    takes the traceable dense formula (compiling for real takes minutes on 2 cores, so the
+    compiler is replaced by a spy here)."""
+    import capsctl.layers.routing as routing
+
+    compiled: list[object] = []
+
+    def fake_compile(module: torch.nn.Module) -> torch.nn.Module:
+        compiled.append(module)
+        return module
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    fit(
+        tiny_preset(epochs=1, ema_decay=None, compile=True, steps_per_epoch=2),
+        tmp_path,
+        handle_sigint=False,
+    )
+    assert len(compiled) == 1
+    dense_calls = []
+    real_dense = routing.routed_pass_dense
+    monkeypatch.setattr(
+        routing, "routed_pass_dense", lambda *a: dense_calls.append(1) or real_dense(*a)
+    )
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = torch.randn(4, 3, 2, 2)
+    w = torch.randn(4, 2, 3, 2)
+    p = torch.randn(3, 3, 2, 2)
+    s, _ = routing.routed_pass(x, w, p, 0.5)
+    assert dense_calls and torch.allclose(
+        s, routing.routed_pass_reference(x, w, p, 0.5)[0], atol=1e-5
+    )
