@@ -101,13 +101,10 @@ class _Chunk:
         return out
 
     def softmax_backward(self, rc: Tensor, dr: Tensor) -> Tensor:
-        """``rc * (dr - sum_m rc * dr)``, in place in ``dr[Jc, Bc, m]``."""
-        jc, bc = dr.shape[0], dr.shape[1]
-        t = self.tbuf[: dr.numel()].view_as(dr)  # [Jc, Bc, m]
-        torch.mul(rc, dr, out=t)  # [Jc, Bc, m]
-        k = self.kbuf[: jc * bc].view(jc, bc, 1)  # [Jc, Bc, 1]
-        torch.sum(t, -1, keepdim=True, out=k)  # [Jc, Bc, 1]
-        return dr.sub_(k).mul_(rc)  # [Jc, Bc, m]
+        """``rc * (dr - sum_m rc * dr)`` for ``rc, dr[Jc, Bc, m]``, one kernel (into ``rbuf``)."""
+        out = self.rbuf[: dr.numel()].view_as(dr)  # [Jc, Bc, m]
+        torch.ops.aten._softmax_backward_data.out(dr, rc, -1, dr.dtype, grad_input=out)
+        return out
 
     def sum_j(self, acc: Tensor, v: Tensor, coef: Tensor) -> None:
         """``acc[Bc, d, m] += sum_J coef[Jc, Bc, m] * v[Jc, Bc, d, m]``; may overwrite ``v``."""
@@ -187,34 +184,42 @@ class RoutedPass(torch.autograd.Function):
         jc, bc = _tiles(j, bsz, m, d, x.element_size())
         buf = _Chunk(x, jc, bc, a, d, m)
         gxbuf = x.new_empty(jc * xd * bc * a) if need_x and bc < bsz else None
+        # per-child operands split once (one call each, not one slice per tile)
+        wcs = wc.split(jc)  # [Jc, x, c*m] each
+        gws = gw.split(jc) if gw is not None else None  # [Jc, x, c*m] each
         for b0 in range(0, bsz, bc):
             b1 = min(bsz, b0 + bc)
-            for j0 in range(0, j, jc):
-                j1 = min(j, j0 + jc)
-                tj, tb = j1 - j0, b1 - b0
-                xc = x[j0:j1, b0:b1]  # [Jc, Bc, a, x]
-                v = buf.votes(xc, wc[j0:j1])  # [Jc, Bc, d, m]
-                rc = r[j0:j1, b0:b1]  # [Jc, Bc, m]
+            tb = b1 - b0
+            gqc, pqc = gq[b0:b1], pq[b0:b1]  # [Bc, d, m]
+            gpc = gp[b0:b1] if gp is not None else None  # [Bc, d, m]
+            xs = x[:, b0:b1].split(jc)  # [Jc, Bc, a, x] each
+            rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+            gxs = gxt[:, :, b0 * a : b1 * a].split(jc) if gxt is not None else None  # [Jc, x, Bc*a]
+            for t, xc in enumerate(xs):
+                tj = xc.shape[0]
+                wct = wcs[t]  # [Jc, x, c*m]
+                v = buf.votes(xc, wct)  # [Jc, Bc, d, m]
+                rc = rs[t]  # [Jc, Bc, m]
                 # d loss / d logits, without the scale (folded into pq and gp)
-                da = buf.softmax_backward(rc, buf.dot_d(v, gq[b0:b1]))  # [Jc, Bc, m]
-                if gp is not None:
-                    buf.sum_j(gp[b0:b1], v, da)
-                if gxt is None and gw is None:
+                da = buf.softmax_backward(rc, buf.dot_d(v, gqc))  # [Jc, Bc, m]
+                if gpc is not None:
+                    buf.sum_j(gpc, v, da)
+                if gxs is None and gws is None:
                     continue
-                gv = torch.mul(rc.unsqueeze(2), gq[b0:b1], out=v)  # [Jc, Bc, d, m]
-                gv.addcmul_(da.unsqueeze(2), pq[b0:b1])  # [Jc, Bc, d, m]
+                gv = torch.mul(rc.unsqueeze(2), gqc, out=v)  # [Jc, Bc, d, m]
+                gv.addcmul_(da.unsqueeze(2), pqc)  # [Jc, Bc, d, m]
                 gv = gv.view(tj, tb * a, c * m)  # [Jc, Bc*a, c*m]
-                if gxt is not None:
-                    gxc = gxt[j0:j1, :, b0 * a : b1 * a]  # [Jc, x, Bc*a]
+                if gxs is not None:
+                    gxc = gxs[t]  # [Jc, x, Bc*a]
                     gvt = gv.transpose(1, 2)  # [Jc, c*m, Bc*a]
                     if gxbuf is None:
-                        torch.bmm(wc[j0:j1], gvt, out=gxc)  # [Jc, x, Bc*a]
+                        torch.bmm(wct, gvt, out=gxc)  # [Jc, x, Bc*a]
                     else:
                         gxtile = gxbuf[: tj * xd * tb * a].view(tj, xd, tb * a)  # [Jc, x, Bc*a]
-                        gxc.copy_(torch.bmm(wc[j0:j1], gvt, out=gxtile))  # [Jc, x, Bc*a]
-                if gw is not None:
+                        gxc.copy_(torch.bmm(wct, gvt, out=gxtile))  # [Jc, x, Bc*a]
+                if gws is not None:
                     xct = xc.reshape(tj, tb * a, xd).transpose(1, 2)  # [Jc, x, Bc*a]
-                    gw[j0:j1].baddbmm_(xct, gv)  # [Jc, x, c*m]
+                    gws[t].baddbmm_(xct, gv)  # [Jc, x, c*m]
         # a strided view is a valid gradient: no copy back to [J, B, a, x]
         gx = None
         if gxt is not None:
