@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 # Bytes of vote chunk per step; chosen so that the chunk stays in the last-level cache.
-CHUNK_BYTES = 4 * 2**20
+CHUNK_BYTES = 2 * 2**20
 
 
 def _tiles(j: int, bsz: int, m: int, d: int, itemsize: int) -> tuple[int, int]:
@@ -42,6 +42,7 @@ def _tiles(j: int, bsz: int, m: int, d: int, itemsize: int) -> tuple[int, int]:
     """
     per_site = max(1, m * d * itemsize)
     bc = max(1, min(bsz, CHUNK_BYTES // per_site))
+    bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
     jc = max(1, min(j, CHUNK_BYTES // (per_site * bc)))
     return jc, bc
 
@@ -142,13 +143,15 @@ def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Ten
     r = x.new_empty(j, bsz, m)  # [J, B, m]
     jc, bc = _tiles(j, bsz, m, d, x.element_size())
     buf = _Chunk(x, jc, bc, a, d, m)
+    wcs = wc.split(jc)  # [Jc, x, c*m] each
     for b0 in range(0, bsz, bc):
         b1 = min(bsz, b0 + bc)
-        for j0 in range(0, j, jc):
-            j1 = min(j, j0 + jc)
-            v = buf.votes(x[j0:j1, b0:b1], wc[j0:j1])  # [Jc, Bc, d, m]
-            rc = buf.softmax_into(buf.dot_d(v, pq[b0:b1]), r[j0:j1, b0:b1])  # [Jc, Bc, m]
-            buf.sum_j(s[b0:b1], v, rc)
+        pqc, sc = pq[b0:b1], s[b0:b1]  # [Bc, d, m]
+        rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+        for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
+            v = buf.votes(xc, wcs[t])  # [Jc, Bc, d, m]
+            rc = buf.softmax_into(buf.dot_d(v, pqc), rs[t])  # [Jc, Bc, m]
+            buf.sum_j(sc, v, rc)
     return _parent_major(s, a, c), r
 
 
