@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as _safetensors_bytes
 
+from capsctl.atomic import fsync_dir
 from capsctl.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -146,15 +147,6 @@ def _write_all(file: Any, data: bytes) -> None:
         file.write(view[start : start + _CHUNK])
 
 
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_checkpoint(
     path: str | os.PathLike[str],
     tensors: Mapping[str, torch.Tensor],
@@ -196,7 +188,7 @@ def save_checkpoint(
                 f"could not write {path}: {reason}; the previous file is unchanged"
             ) from e
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from capsctl import __version__
+from capsctl.atomic import write_text_atomic
 from capsctl.checkpoint import (
     capture_rng_state,
     load_tensors,
@@ -547,12 +548,6 @@ def _check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
                 (out / f).unlink()
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
     """Keep the metrics lines of the epochs a resumed run already has (drop later ones)."""
     if not path.exists():
@@ -565,7 +560,7 @@ def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
             continue  # a line cut short by a kill
         if isinstance(rec, dict) and rec.get("epoch", 10**9) <= epochs_done:
             kept.append(rec)
-    _write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
 
@@ -714,7 +709,7 @@ def _fit(
 
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(out / RESOLVED_PRESET, dump_yaml(preset))
+        write_text_atomic(out / RESOLVED_PRESET, dump_yaml(preset))
     base_meta = {
         "preset": preset_to_dict(preset),
         "classes": data.classes,
@@ -786,7 +781,7 @@ def _fit(
             )
         record["best"] = improved
         history.append(record)
-        _write_text_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
+        write_text_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
         save_last(int(record["epoch"]), record)
         _emit(on_event, "epoch_end", **record, epochs=t.epochs)
         return best_acc, best_epoch
@@ -945,7 +940,7 @@ def _fit(
         history,
     )
     if dist.is_main:
-        _write_text_atomic(out / "results.json", json.dumps(result.to_dict(), indent=2))
+        write_text_atomic(out / "results.json", json.dumps(result.to_dict(), indent=2))
     return result
 
 

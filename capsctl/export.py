@@ -31,7 +31,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from capsctl import __version__
+from capsctl.atomic import fsync_dir, temp_path, write_atomic
 from capsctl.checkpoint import (
     TRAINING_STATE_KEY,
     load_checkpoint,
@@ -114,11 +114,6 @@ def _emit(on_event: EventFn, event: str, **fields: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _temp_path(path: Path) -> Path:
-    """A fresh hidden name next to ``path`` that keeps its suffix (torch.export wants .pt2)."""
-    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp{path.suffix}"
-
-
 def _check_writable_folder(path: Path) -> None:
     """Raise CapsctlError unless a file can be created next to ``path``."""
     folder = path.parent
@@ -128,7 +123,7 @@ def _check_writable_folder(path: Path) -> None:
             f"cannot write {path}: the folder {folder} {what}; "
             "create it or pick another output path"
         )
-    probe = _temp_path(path)
+    probe = temp_path(path)
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as e:
@@ -141,15 +136,6 @@ def _check_writable_folder(path: Path) -> None:
         os.unlink(probe)
 
 
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _publish(tmp: Path, path: Path) -> None:
     """fsync ``tmp`` and rename it over ``path``."""
     try:
@@ -158,30 +144,7 @@ def _publish(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
     except OSError as e:
         raise CapsctlError(f"cannot write {path}: {e.strerror or e}") from None
-    _fsync_dir(path.parent)
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename.
-
-    On failure the previous file at ``path`` is unchanged and :class:`CapsctlError` names it.
-    """
-    path = Path(path)
-    tmp = _temp_path(path)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise CapsctlError(
-            f"cannot write {path}: {e.strerror or e}; check that the folder exists and is writable"
-        ) from None
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def default_output_path(ckpt: str | os.PathLike[str], fmt: str) -> Path:
@@ -402,7 +365,7 @@ def export_checkpoint(
         EXAMPLE_BATCH, channels, size, size, generator=torch.Generator().manual_seed(1)
     )
 
-    tmp = _temp_path(path)
+    tmp = temp_path(path)
     _emit(on_event, "export_build", format=fmt, path=str(path))
     try:
         if fmt == "onnx":

@@ -56,8 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from capsctl.atomic import write_atomic
 from capsctl.errors import CapsctlError, UsageError
-from capsctl.export import write_atomic
 
 __all__ = [
     "ChildRoute",
