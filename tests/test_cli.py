@@ -8,25 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import tiny_args
 
 from capsctl.cli import main
 
-TINY = [
-    "--set",
-    "model.primary_types=4",
-    "--set",
-    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
-    "--set",
-    "train.steps_per_epoch=4",
-    "--set",
-    "data.val_size=200",
-    "--batch-size",
-    "16",
-    "--epochs",
-    "1",
-    "--device",
-    "cpu",
-]
+TINY = [*tiny_args(4), "--epochs", "1"]
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

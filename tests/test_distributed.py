@@ -10,35 +10,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_args
 
 from capsctl.checkpoint import load_tensors
 from capsctl.data import Loader, load_dataset
 
 TINY = [
-    "--set",
-    "model.primary_types=4",
-    "--set",
-    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
-    "--set",
-    "train.steps_per_epoch=5",
-    "--set",
-    "data.val_size=200",
-    "--set",
-    "data.augment={crop_padding: 2, hflip: true}",
-    "--set",
-    "train.optimizer=sgd",
-    "--set",
-    "train.lr=0.05",
-    "--set",
-    "train.schedule=constant",
-    "--batch-size",
-    "16",
+    *tiny_args(
+        5,
+        "--set",
+        "data.augment={crop_padding: 2, hflip: true}",
+        "--set",
+        "train.optimizer=sgd",
+        "--set",
+        "train.lr=0.05",
+        "--set",
+        "train.schedule=constant",
+    ),
     "--epochs",
     "2",
-    "--device",
-    "cpu",
     "--json",
 ]
+
 
 # Stated tolerance: the processes average gradients with an all-reduce, whose summation order
 # differs from one process's batch mean, so weights agree to float32 rounding, not bit for bit.

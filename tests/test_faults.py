@@ -18,24 +18,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import tiny_args
 
 from capsctl.checkpoint import load_checkpoint, load_tensors, read_metadata
 from capsctl.cli import main
 
-TINY = [
-    "--set",
-    "model.primary_types=4",
-    "--set",
-    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
-    "--set",
-    "train.steps_per_epoch=4",
-    "--set",
-    "data.val_size=200",
-    "--batch-size",
-    "16",
-    "--device",
-    "cpu",
-]
+TINY = tiny_args(4)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
