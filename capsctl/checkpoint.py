@@ -330,6 +330,29 @@ def load_tensors(
         ) from None
 
 
+def model_config(path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None) -> Any:
+    """The :class:`~capsctl.models.spec.ModelConfig` stored in a checkpoint (no tensor is read)."""
+    from capsctl.config import from_dict
+    from capsctl.models.spec import ModelConfig
+
+    path = Path(path)
+    meta = read_metadata(path) if metadata is None else metadata
+    preset = meta.get("preset")
+    raw_model = preset.get("model") if isinstance(preset, dict) else None
+    if not isinstance(raw_model, dict):
+        raise CheckpointError(
+            f"{path}: its metadata has no model configuration (preset.model), so the model "
+            "cannot be rebuilt"
+        )
+    try:
+        return from_dict(ModelConfig, raw_model, "preset.model")
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{path}: its stored model configuration is invalid ({e}); it may come from another "
+            "capsctl version"
+        ) from None
+
+
 def load_checkpoint(
     path: str | os.PathLike[str], device: str | torch.device = "cpu"
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -339,25 +362,9 @@ def load_checkpoint(
     ``capsctl.models.build_model_from_config`` and loaded from the ``model.*`` tensors with
     strict key and shape checks.
     """
-    from capsctl.config import from_dict
-    from capsctl.models.spec import ModelConfig
-
     path = Path(path)
     metadata = read_metadata(path)
-    preset = metadata.get("preset")
-    raw_model = preset.get("model") if isinstance(preset, dict) else None
-    if not isinstance(raw_model, dict):
-        raise CheckpointError(
-            f"{path}: its metadata has no model configuration (preset.model), so the model "
-            "cannot be rebuilt"
-        )
-    try:
-        config = from_dict(ModelConfig, raw_model, "preset.model")
-    except ConfigError as e:
-        raise CheckpointError(
-            f"{path}: its stored model configuration is invalid ({e}); it may come from another "
-            "capsctl version"
-        ) from None
+    config = model_config(path, metadata)
     from capsctl.models import build_model_from_config
 
     model = build_model_from_config(config)

@@ -254,20 +254,13 @@ def _launch_torchrun(nproc: int) -> None:
 
     if nproc < 1:
         raise UsageError(f"--nproc {nproc}: must be >= 1")
-    args = sys.argv[1:]
     rest: list[str] = []
-    skip = False
-    for i, a in enumerate(args):
-        if skip:
-            skip = False
-            continue
+    args = iter(sys.argv[1:])
+    for a in args:
         if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        rest.append(a)
-        del i
+            next(args, None)  # drop its value too
+        elif not a.startswith("--nproc="):
+            rest.append(a)
     cmd = [
         sys.executable,
         "-m",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from capsctl.errors import CheckpointError, ConfigError, UsageError
+from capsctl.errors import ConfigError, UsageError
 from capsctl.models import build_model_from_config, param_groups
 from capsctl.models.spec import ModelConfig
 
@@ -207,24 +207,9 @@ def _accepted(models: Sequence[str], presets: Sequence[str]) -> str:
 
 def _checkpoint_config(path: Path) -> ModelConfig:
     """The model configuration stored in a checkpoint's metadata (no tensor is read)."""
-    from capsctl.checkpoint import read_metadata
-    from capsctl.config import from_dict
+    from capsctl.checkpoint import model_config
 
-    meta = read_metadata(path)
-    preset = meta.get("preset")
-    raw = preset.get("model") if isinstance(preset, dict) else None
-    if not isinstance(raw, dict):
-        raise CheckpointError(
-            f"{path}: its metadata has no model configuration (preset.model), so it cannot be "
-            "compared"
-        )
-    try:
-        return from_dict(ModelConfig, raw, "preset.model")
-    except ConfigError as e:
-        raise CheckpointError(
-            f"{path}: its stored model configuration is invalid ({e}); it may come from another "
-            "capsctl version"
-        ) from None
+    return model_config(path)
 
 
 #: Named sets of targets for ``capsctl compare --suite``.
