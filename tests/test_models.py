@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
 import capsctl
+from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
 from capsctl.errors import ConfigError
 from capsctl.models import param_groups
 from capsctl.registry import get_config, list_models, resolve_config
@@ -126,3 +130,139 @@ def test_cnn_baseline_widths_follow_the_capsule_head() -> None:
     convs = [m for m in model.convs if isinstance(m, torch.nn.Conv2d)]
     assert [c.out_channels for c in convs] == [32 * 16, 32 * 16]
     assert [c.stride for c in convs] == [(2, 2), (1, 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-class head and the ablation knobs (REFERENCE.md §1), checked against the equations
+
+KNOBS_MODEL = {
+    "base": "mnist-caps",
+    "primary_types": 4,
+    "layers": [{"kind": "conv", "types": 4, "pose_dim": 16, "kernel": 3, "stride": 2}],
+    "head": "per_class",
+    "iterations": 3,
+    "routing": "sequential",
+}
+POSE_SIDE = 4  # the class capsules above have 4 x 4 matrix poses: D = 16
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in the authors' code
+
+
+def class_capsules_by_hand(
+    child: torch.Tensor,
+    parent: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    scaled: bool,
+    norm: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One routed pass of the class capsules written from the equations.
+
+    ``child[b, n, D]``, ``parent[b, m, D]`` (the previous iteration), ``weight[n, s, m, s]``.
+    Votes ``V_ij = P_i @ W_ij``; agreement ``<p_j, V_ij>``, divided by ``sqrt(D)`` when
+    ``scaled``; ``r_ij = softmax_j``; parent pose ``sum_i r_ij V_ij``, then LayerNorm with
+    ``norm = (gain, bias)`` unless ``norm`` is None. Returns ``(poses[b, m, D], r[b, n, m])``.
+    """
+    s = POSE_SIDE
+    b, n, _ = child.shape
+    m = parent.shape[1]
+    poses = child.reshape(b, n, s, s)  # [b, n, a, x]
+    votes = torch.einsum("bnax,nxmc->bnmac", poses, weight).reshape(b, n, m, s * s)  # [b,n,m,D]
+    logits = (votes * parent[:, None]).sum(-1)  # [b, n, m]
+    if scaled:
+        logits = logits / math.sqrt(s * s)
+    r = torch.softmax(logits, dim=-1)  # over the parents j
+    out = (r[..., None] * votes).sum(1)  # [b, m, D]
+    if norm is not None:
+        mean = out.mean(-1, keepdim=True)
+        var = ((out - mean) ** 2).mean(-1, keepdim=True)
+        out = (out - mean) / torch.sqrt(var + LN_EPS) * norm[0] + norm[1]
+    return out, r
+
+
+def test_per_class_head_and_ablation_knobs(tmp_path: Path) -> None:
+    """``head: per_class``, ``layer_norm: false`` and ``agreement_scale: false`` build, train a
+    step, survive a checkpoint, and change the computation as the equations say."""
+    torch.manual_seed(3)
+    cfg = resolve_config({**KNOBS_MODEL, "layer_norm": False, "agreement_scale": False})
+    model = capsctl.build_model(cfg).double()
+    assert model.head.weight.shape == (10, 16) and model.head.bias.shape == (10,)
+    assert not any(isinstance(mod, torch.nn.LayerNorm) for mod in model.modules())
+    assert model.iterations == 3 and model.routing == "sequential"
+
+    # one training step: finite loss, a finite gradient for every parameter, weights move
+    model.train()
+    x = torch.randn(4, 1, 28, 28, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    opt.step()
+    assert not torch.equal(before["head.weight"], model.head.weight.detach())
+    assert not torch.equal(before["capsules.1.weight"], model.capsules[1].weight.detach())
+
+    # the computation, from the trace of every pass
+    model.eval()
+    with torch.no_grad():
+        logits, trace = model(x, trace=True)
+        feats = model.backbone(x)  # [b, C, H, W]
+        primary = model.primary(feats)  # [b, H, W, n, D]
+    # primary capsules without LayerNorm: the raw 1x1 convolution, read channel-last
+    conv_w = model.primary.conv.weight[:, :, 0, 0].view(4, 16, -1)  # [n, D, C]
+    assert torch.allclose(
+        primary, torch.einsum("ndc,bchw->bhwnd", conv_w, feats), rtol=0, atol=1e-10
+    )
+    # class capsules: the agreement has no 1/sqrt(D) and the parent pose is the raw sum
+    weight = model.capsules[1].weight.detach()  # [n, s, m, s]
+    child = trace.poses[0][-1].reshape(4, -1, 16)  # [b, n, D], flattened as (h, w, n)
+    for t in (1, 2):
+        parent = trace.poses[1][t - 1]  # [b, m, D]
+        got_pose, got_r = trace.poses[1][t], trace.coefficients[1][t]
+        want_pose, want_r = class_capsules_by_hand(child, parent, weight, scaled=False, norm=None)
+        assert torch.allclose(got_r, want_r, rtol=0, atol=1e-10)
+        assert torch.allclose(got_pose, want_pose, rtol=0, atol=1e-10)
+        # the knobs matter here: the scaled agreement or a LayerNorm would give other numbers
+        scaled_pose, scaled_r = class_capsules_by_hand(
+            child, parent, weight, scaled=True, norm=None
+        )
+        assert (scaled_r - got_r).abs().max() > 1e-3
+        ones, zeros = torch.ones(16, dtype=x.dtype), torch.zeros(16, dtype=x.dtype)
+        normed, _ = class_capsules_by_hand(child, parent, weight, scaled=False, norm=(ones, zeros))
+        assert (normed - got_pose).abs().max() > 1e-3
+    # per-class head: logit_c = w_c . p_c + b_c
+    head = model.head
+    want_logits = (trace.poses[1][-1] * head.weight).sum(-1) + head.bias  # [b, classes]
+    assert torch.allclose(logits, want_logits, rtol=0, atol=1e-10)
+
+    # the same weights with the default knobs follow the scaled, normalized equations
+    default = capsctl.build_model(resolve_config(KNOBS_MODEL)).double().eval()
+    missing, unexpected = default.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".norm." in k for k in missing)
+    with torch.no_grad():
+        for mod in default.modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                mod.weight.normal_()
+                mod.bias.normal_()
+        _, dtrace = default(x, trace=True)
+    dchild = dtrace.poses[0][-1].reshape(4, -1, 16)  # [b, n, D]
+    norm = (default.capsules[1].norm.weight, default.capsules[1].norm.bias)
+    for t in (1, 2):
+        want_pose, want_r = class_capsules_by_hand(
+            dchild, dtrace.poses[1][t - 1], weight, scaled=True, norm=norm
+        )
+        assert torch.allclose(dtrace.coefficients[1][t], want_r, rtol=0, atol=1e-10)
+        assert torch.allclose(dtrace.poses[1][t], want_pose, rtol=0, atol=1e-10)
+
+    # the knobs and the head survive a checkpoint
+    path = tmp_path / "knobs.safetensors"
+    save_checkpoint(path, model_tensors(model), {"preset": {"model": cfg.to_dict()}})
+    loaded, meta = load_checkpoint(path)
+    assert meta["preset"]["model"]["head"] == "per_class"
+    assert loaded.head.weight.shape == (10, 16)
+    assert loaded.iterations == 3 and loaded.routing == "sequential"
+    assert not any(isinstance(mod, torch.nn.LayerNorm) for mod in loaded.modules())
+    with torch.no_grad():
+        # the checkpoint model is float32: the weights are rounded to float32
+        assert torch.allclose(loaded.double()(x), logits, rtol=0, atol=1e-6)

@@ -18,6 +18,19 @@ from capsctl.models.capsnet import CapsNet
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
 TOL = 1e-5
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default, as in the authors' code
+
+
+def _layer_norm(v: torch.Tensor, gain: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """LayerNorm over the D pose entries of ``v[..., D]``, written out (biased variance)."""
+    mean = v.mean(-1, keepdim=True)
+    var = ((v - mean) ** 2).mean(-1, keepdim=True)
+    return (v - mean) / torch.sqrt(var + LN_EPS) * gain + bias
+
+
+def _agreement_scale(parent_pose: torch.Tensor) -> float:
+    """``1 / sqrt(D)`` of the agreement, D taken from the parent pose itself."""
+    return 1.0 / math.sqrt(parent_pose.numel())
 
 
 def _vote(pose: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
@@ -48,13 +61,16 @@ def naive_fc(layer: FCCapsules, child: torch.Tensor, parent: torch.Tensor | None
                 r = [1.0 / m] * m
             else:
                 logits = torch.stack(
-                    [(parent[bi, j] * votes[j]).sum() * layer.scale for j in range(m)]
+                    [
+                        (parent[bi, j] * votes[j]).sum() * _agreement_scale(parent[bi, j])
+                        for j in range(m)
+                    ]
                 )
                 r = list(torch.softmax(logits, 0))
             for j in range(m):
                 coeff[bi, i, j] = r[j]
                 out[bi, j] += r[j] * votes[j]
-    return layer.norm(out), coeff
+    return _layer_norm(out, layer.norm.weight, layer.norm.bias), coeff
 
 
 def naive_conv(layer: ConvCapsules, child: torch.Tensor, parent: torch.Tensor | None):
@@ -82,7 +98,8 @@ def naive_conv(layer: ConvCapsules, child: torch.Tensor, parent: torch.Tensor | 
                             else:
                                 logits = torch.stack(
                                     [
-                                        (parent[bi, y, x, j] * votes[j]).sum() * layer.scale
+                                        (parent[bi, y, x, j] * votes[j]).sum()
+                                        * _agreement_scale(parent[bi, y, x, j])
                                         for j in range(m)
                                     ]
                                 )
@@ -90,19 +107,33 @@ def naive_conv(layer: ConvCapsules, child: torch.Tensor, parent: torch.Tensor | 
                             for j in range(m):
                                 coeff[bi, y, x, ki, li, i, j] = r[j]
                                 out[bi, y, x, j] += r[j] * votes[j]
-    return layer.norm(out), coeff
+    return _layer_norm(out, layer.norm.weight, layer.norm.bias), coeff
 
 
-@pytest.mark.parametrize("pose,din,dout", [("matrix", 4, 4), ("matrix", 9, 9), ("vector", 3, 5)])
-def test_fc_layer_matches_naive(pose: str, din: int, dout: int) -> None:
+@pytest.mark.parametrize(
+    "pose,n,din,m,dout",
+    [
+        ("matrix", 6, 4, 4, 4),
+        ("matrix", 6, 9, 4, 9),
+        ("vector", 6, 3, 4, 5),
+        # one child type, one parent type, both
+        ("matrix", 1, 4, 3, 4),
+        ("matrix", 6, 4, 1, 4),
+        ("matrix", 1, 9, 1, 9),
+        ("vector", 1, 3, 4, 5),
+        ("vector", 6, 3, 1, 5),
+        ("vector", 1, 2, 1, 3),
+    ],
+)
+def test_fc_layer_matches_naive(pose: str, n: int, din: int, m: int, dout: int) -> None:
     torch.manual_seed(0)
-    layer = FCCapsules(6, din, 4, dout, pose=pose).double()
+    layer = FCCapsules(n, din, m, dout, pose=pose).double()
     _randomize_norm(layer)
-    child = torch.randn(2, 6, din, dtype=torch.float64)
+    child = torch.randn(2, n, din, dtype=torch.float64)
     uni = layer.uniform(child)
     ref_uni, _ = naive_fc(layer, child, None)
     assert torch.allclose(uni, ref_uni, atol=TOL)
-    parent = torch.randn(2, 4, dout, dtype=torch.float64)
+    parent = torch.randn(2, m, dout, dtype=torch.float64)
     out, coeff = layer.route(child, parent)
     ref, ref_coeff = naive_fc(layer, child, parent)
     assert torch.allclose(out, ref, atol=TOL)
@@ -110,21 +141,28 @@ def test_fc_layer_matches_naive(pose: str, din: int, dout: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "pose,din,dout,k,stride,size",
+    "pose,n,din,m,dout,k,stride,size",
     [
-        ("matrix", 4, 4, 3, 2, 7),
-        ("matrix", 4, 4, 2, 1, 4),
-        ("vector", 3, 2, 3, 1, 5),
-        ("vector", 2, 4, 1, 1, 3),
+        ("matrix", 3, 4, 2, 4, 3, 2, 7),
+        ("matrix", 3, 4, 2, 4, 2, 1, 4),
+        ("vector", 3, 3, 2, 2, 3, 1, 5),
+        ("vector", 3, 2, 2, 4, 1, 1, 3),
+        # one child type, one parent type, both
+        ("matrix", 1, 4, 3, 4, 2, 1, 4),
+        ("matrix", 3, 4, 1, 4, 2, 1, 4),
+        ("matrix", 1, 4, 1, 4, 3, 2, 5),
+        ("vector", 1, 3, 2, 2, 2, 1, 4),
+        ("vector", 3, 3, 1, 2, 2, 1, 4),
+        ("vector", 1, 2, 1, 3, 3, 1, 4),
     ],
 )
 def test_conv_layer_matches_naive(
-    pose: str, din: int, dout: int, k: int, stride: int, size: int
+    pose: str, n: int, din: int, m: int, dout: int, k: int, stride: int, size: int
 ) -> None:
     torch.manual_seed(1)
-    layer = ConvCapsules(3, din, 2, dout, kernel=k, stride=stride, pose=pose).double()
+    layer = ConvCapsules(n, din, m, dout, kernel=k, stride=stride, pose=pose).double()
     _randomize_norm(layer)
-    child = torch.randn(2, size, size + 1, 3, din, dtype=torch.float64)
+    child = torch.randn(2, size, size + 1, n, din, dtype=torch.float64)
     uni = layer.uniform(child)
     ref_uni, ref_uni_coeff = naive_conv(layer, child, None)
     assert uni.shape == ref_uni.shape
@@ -314,3 +352,133 @@ def test_dense_pass_equals_chunked_pass() -> None:
         s3, _ = routed_pass(x, w, p, 0.5)
     assert torch.allclose(s1, s2, atol=1e-12) and torch.allclose(r1, r2, atol=1e-12)
     assert torch.equal(s2, s3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed pass never modifies its inputs (one parent type shares storage with its layouts)
+
+
+def _layer_and_poses(
+    kind: str, pose: str, m: int
+) -> tuple[FCCapsules | ConvCapsules, torch.Tensor, torch.Tensor]:
+    """A float64 layer with ``m`` parent types, child poses and parent poses to route."""
+    din, dout = (4, 4) if pose == "matrix" else (3, 2)
+    if kind == "fc":
+        layer = FCCapsules(5, din, m, dout, pose=pose).double()
+        child = torch.randn(3, 5, din, dtype=torch.float64)  # [b, n, D_in]
+        parent = torch.randn(3, m, dout, dtype=torch.float64)  # [b, m, D]
+    else:
+        layer = ConvCapsules(2, din, m, dout, kernel=2, stride=1, pose=pose).double()
+        child = torch.randn(2, 4, 5, 2, din, dtype=torch.float64)  # [b, H, W, n, D_in]
+        parent = torch.randn(2, 3, 4, m, dout, dtype=torch.float64)  # [b, h, w, m, D]
+    _randomize_norm(layer)
+    return layer, child, parent
+
+
+def _assert_unchanged(inputs: dict[str, torch.Tensor], before: dict[str, torch.Tensor], when: str):
+    for name, t in inputs.items():
+        assert torch.equal(t.detach(), before[name]), f"{name} modified by the {when}"
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("pose", ["matrix", "vector"])
+@pytest.mark.parametrize("kind", ["fc", "conv"])
+def test_layer_route_never_modifies_its_inputs(kind: str, pose: str, m: int, grad: bool) -> None:
+    torch.manual_seed(10)
+    layer, child, parent = _layer_and_poses(kind, pose, m)
+    child.requires_grad_(grad)
+    parent.requires_grad_(grad)
+    layer.weight.requires_grad_(grad)
+    inputs = {"child poses": child, "parent poses": parent, "weights": layer.weight}
+    before = {name: t.detach().clone() for name, t in inputs.items()}
+    with torch.set_grad_enabled(grad):
+        out, _ = layer.route(child, parent)
+    _assert_unchanged(inputs, before, "forward")
+    if grad:
+        out.backward(torch.randn_like(out))
+        _assert_unchanged(inputs, before, "backward")
+
+
+def _pass_inputs(m: int, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x[J, B, a, x]``, ``w[J, x, m, c]``, ``p[B, m, a, c]`` (float64), either contiguous or
+    as views of storage laid out the way the routed pass works (sites major, parent type
+    innermost), which a copy to that layout would alias."""
+    j, bsz, a, xd, c = 5, 4, 2, 3, 2
+    if layout == "contiguous":
+        x = torch.randn(j, bsz, a, xd, dtype=torch.float64)
+        w = torch.randn(j, xd, m, c, dtype=torch.float64)
+        p = torch.randn(bsz, m, a, c, dtype=torch.float64)
+    else:
+        x = torch.randn(bsz, j, a, xd, dtype=torch.float64).transpose(0, 1)  # [J, B, a, x]
+        w = torch.randn(j, xd, c, m, dtype=torch.float64).permute(0, 1, 3, 2)  # [J, x, m, c]
+        p = torch.randn(bsz, a, c, m, dtype=torch.float64).permute(0, 3, 1, 2)  # [B, m, a, c]
+    return x, w, p
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "site-major"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_routed_pass_never_modifies_its_inputs(
+    m: int, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import capsctl.layers.routing as routing
+
+    monkeypatch.setattr(routing, "CHUNK_BYTES", 200)  # several chunks
+    torch.manual_seed(11)
+    x, w, p = _pass_inputs(m, layout)
+    inputs = {"child poses": x, "weights": w, "parent poses": p}
+    before = {name: t.clone() for name, t in inputs.items()}
+    routed_pass(x, w, p, 0.5)  # no autograd
+    _assert_unchanged(inputs, before, "forward without autograd")
+    for t in inputs.values():
+        t.requires_grad_(True)
+    s, _ = routed_pass(x, w, p, 0.5)
+    _assert_unchanged(inputs, before, "forward")
+    s.backward(torch.randn_like(s))
+    _assert_unchanged(inputs, before, "backward")
+    # and the result is right for these inputs
+    ref_s, _ = routed_pass_reference(
+        before["child poses"], before["weights"], before["parent poses"], 0.5
+    )
+    assert torch.allclose(s, ref_s, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "site-major"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_routed_pass_gradcheck_in_any_layout(m: int, layout: str) -> None:
+    torch.manual_seed(12)
+    x, w, p = (t.requires_grad_(True) for t in _pass_inputs(m, layout))
+    assert torch.autograd.gradcheck(lambda x, w, p: RoutedPass.apply(x, w, p, 0.7)[0], (x, w, p))
+
+
+def one_type_config(pose: str, fc_after: bool) -> ModelConfig:
+    """tiny_config at T=3 concurrent whose second capsule layer has one type (m = 1); its
+    parent poses are the child poses of the next layer (an FC layer or the class capsules)."""
+    cfg = tiny_config(pose, 3, "concurrent")
+    cfg.layers[1].types = 1
+    if not fc_after:
+        del cfg.layers[2]
+    return cfg
+
+
+@pytest.mark.parametrize("fc_after", [False, True])
+@pytest.mark.parametrize("pose", ["matrix", "vector"])
+def test_model_with_a_one_type_layer_matches_naive_schedule(pose: str, fc_after: bool) -> None:
+    torch.manual_seed(13)
+    model = CapsNet(one_type_config(pose, fc_after)).double().eval()
+    for layer in model.capsules:
+        _randomize_norm(layer)
+    x = torch.randn(2, 1, 10, 10, dtype=torch.float64)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    ref, _ = naive_model(model, x)
+    ref_grads = torch.autograd.grad((ref * g).sum(), list(model.capsules.parameters()))
+    out = model(x)
+    grads = torch.autograd.grad((out * g).sum(), list(model.capsules.parameters()))
+    with torch.no_grad():
+        out_nograd = model(x)
+        out_t, _ = model(x, trace=True)
+    assert torch.allclose(out, ref, atol=TOL)
+    assert torch.allclose(out_nograd, ref, atol=TOL)
+    assert torch.allclose(out_t, ref, atol=TOL)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(got, want, atol=TOL)

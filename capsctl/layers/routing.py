@@ -20,6 +20,10 @@ coefficients sum to one over the parents at that site), and the result is
 The vote tensor is never kept: :class:`RoutedPass` walks over ``B`` in chunks small enough to
 stay in cache, keeps only the coefficients ``R`` (``1/d`` of the votes' size) and recomputes the
 votes of each chunk in the backward pass.
+
+No input of the routed pass (``X``, ``W``, ``P``, nor the incoming gradient) is ever written to,
+in the forward or the backward pass: in the concurrent schedule the parent poses of one layer
+are the child poses of the next. Only buffers allocated here are updated in place.
 """
 
 from __future__ import annotations
@@ -47,10 +51,22 @@ def _tiles(j: int, bsz: int, m: int, d: int, itemsize: int) -> tuple[int, int]:
     return jc, bc
 
 
-def _site_major(p: Tensor) -> Tensor:
-    """``[B, m, a, c]`` -> contiguous ``[B, d, m]`` (parent type innermost, as the votes)."""
+def _site_major(p: Tensor, scale: float = 1.0) -> Tensor:
+    """``scale * p``: ``[B, m, a, c]`` -> contiguous ``[B, d, m]`` (parent type innermost, as the
+    votes), one kernel.
+
+    Always new storage, never a view of ``p`` (``.contiguous()`` would return ``p`` itself when
+    ``m = 1`` or ``p`` is already laid out this way): callers may write to the result, and ``p``
+    is an input of the routed pass, which must never change.
+    """
     bsz, m, a, c = p.shape
-    return p.permute(0, 2, 3, 1).contiguous().view(bsz, a * c, m)  # [B, d, m]
+    out = p.new_empty(bsz, a, c, m)  # [B, a, c, m]
+    src = p.permute(0, 2, 3, 1)  # [B, a, c, m]
+    if scale == 1.0:
+        out.copy_(src)
+    else:
+        torch.mul(src, scale, out=out)
+    return out.view(bsz, a * c, m)  # [B, d, m]
 
 
 def _parent_major(q: Tensor, a: int, c: int) -> Tensor:
@@ -138,7 +154,7 @@ def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Ten
     m, c = w.shape[2], w.shape[3]
     d = a * c
     x, wc = _prepare(x, w)
-    pq = _site_major(p).mul_(scale)  # [B, d, m], the agreement's scale folded in
+    pq = _site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
     jc, bc = _tiles(j, bsz, m, d, x.element_size())
@@ -177,7 +193,7 @@ class RoutedPass(torch.autograd.Function):
         m, c = w.shape[2], w.shape[3]
         d = a * c
         x, wc = _prepare(x, w)
-        pq = _site_major(p).mul_(scale)  # [B, d, m]; d logits / d votes = scale * P
+        pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
         gq = _site_major(gs)  # [B, d, m]
         need_x, need_w, need_p = ctx.needs_input_grad[:3]
         # d loss / d X transposed: the product [x, c*m] @ [c*m, Bc*a] runs faster than its transpose
