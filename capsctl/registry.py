@@ -62,6 +62,12 @@ def _caps100(backbone: str, arch: str = "capsnet") -> ModelConfig:
     )
 
 
+def _paper_routing(cfg: ModelConfig) -> ModelConfig:
+    """Dynamic and EM routing as their papers run them: 3 iterations, layer by layer
+    (Sabour et al., NeurIPS 2017, arXiv:1710.09829; Hinton et al., ICLR 2018)."""
+    return cfg.replace(iterations=3, routing="sequential")
+
+
 for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
     register(
         f"cifar10-caps{_suffix}", f"CIFAR-10 capsule net, {_bb} backbone, 4x4 poses, T=2 concurrent"
@@ -72,18 +78,20 @@ for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
     )(lambda _bb=_bb: _caps100(_bb))
     register(
         f"cifar10-dynamic{_suffix}",
-        f"cifar10-caps{_suffix} with dynamic routing (Sabour et al. 2017)",
-    )(lambda _bb=_bb: _caps10(_bb, "capsnet-dynamic"))
-    register(f"cifar10-em{_suffix}", f"cifar10-caps{_suffix} with EM routing (Hinton et al. 2018)")(
-        lambda _bb=_bb: _caps10(_bb, "capsnet-em")
-    )
+        f"cifar10-caps{_suffix} with dynamic routing (Sabour et al. 2017), T=3 sequential",
+    )(lambda _bb=_bb: _paper_routing(_caps10(_bb, "capsnet-dynamic")))
+    register(
+        f"cifar10-em{_suffix}",
+        f"cifar10-caps{_suffix} with EM routing (Hinton et al. 2018), T=3 sequential",
+    )(lambda _bb=_bb: _paper_routing(_caps10(_bb, "capsnet-em")))
     register(
         f"cifar100-dynamic{_suffix}",
-        f"cifar100-caps{_suffix} with dynamic routing (Sabour et al. 2017)",
-    )(lambda _bb=_bb: _caps100(_bb, "capsnet-dynamic"))
+        f"cifar100-caps{_suffix} with dynamic routing (Sabour et al. 2017), T=3 sequential",
+    )(lambda _bb=_bb: _paper_routing(_caps100(_bb, "capsnet-dynamic")))
     register(
-        f"cifar100-em{_suffix}", f"cifar100-caps{_suffix} with EM routing (Hinton et al. 2018)"
-    )(lambda _bb=_bb: _caps100(_bb, "capsnet-em"))
+        f"cifar100-em{_suffix}",
+        f"cifar100-caps{_suffix} with EM routing (Hinton et al. 2018), T=3 sequential",
+    )(lambda _bb=_bb: _paper_routing(_caps100(_bb, "capsnet-em")))
     register(f"cifar10-cnn{_suffix}", f"CNN as wide as cifar10-caps{_suffix} ({_bb} backbone)")(
         lambda _bb=_bb: _caps10(_bb, "cnn")
     )

@@ -18,6 +18,16 @@ Both procedures are *sequential* by construction (each layer runs all its iterat
 next layer starts): ``cfg.routing`` is ignored, ``routing`` is always ``"sequential"``, and
 ``set_routing(mode="concurrent")`` raises ``ValueError``. ``cfg.dropout``, ``cfg.layer_norm``,
 ``cfg.agreement_scale`` and ``cfg.head`` belong to inverted dot-product routing and are ignored.
+Both papers route 3 times; the registered ``*-dynamic*`` and ``*-em*`` models do too.
+
+Fidelity. Dynamic routing is Procedure 1 of Sabour, Frosst, Hinton (NeurIPS 2017,
+arXiv:1710.09829) with the exact squash; its conv layers (the paper has none) route every window
+on its own. EM routing is Procedure 1 of Hinton, Sabour, Frosst ("Matrix capsules with EM
+routing", ICLR 2018): a conv child's assignments are normalized over every parent it votes for,
+as in the paper; the constants the paper leaves open (temperature schedule, epsilons, weight
+init) come from the authors' published implementation (google-research/google-research,
+``capsule_em/em_layers.py``; see the ``EM_*`` constants). Stabilizers the paper lacks (cost
+standardization, routing conv windows separately) are knobs, off by default.
 
 Outputs are not logits in the cross-entropy sense; ``output_kind`` says what they are:
 
@@ -38,6 +48,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from capsctl.errors import ConfigError
 from capsctl.layers.capsules import PrimaryCapsules, pose_shape
@@ -45,14 +56,28 @@ from capsctl.models.backbones import BACKBONE_CHANNELS, build_backbone
 from capsctl.models.capsnet import RoutingTrace, plan_layers
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
-# Inside the square root of squash, so that squash and its gradient are finite at s = 0.
-SQUASH_EPS = 1e-8
-# Added to sum_i R_ij a_i before dividing by it (EM M-step).
-EM_EPS = 1e-8
-# Added to every EM variance sigma^2: keeps log sigma and 1 / sigma^2 finite for tight clusters.
-EM_VAR_EPS = 1e-4
-# Added to the standard deviation over parent types in the EM cost normalization.
+# Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
+# the authors' published implementation (google-research/google-research, capsule_em/).
+# Added to sum_i R_ij a_i before dividing by it (capsule_em/em_layers.py, conv routing: 1e-7;
+# its FC routing uses 1e-5).
+EM_EPS = 1e-7
+# Added to every variance sigma^2 (capsule_em/em_layers.py, ``min_var``): keeps log sigma and
+# 1 / sigma^2 finite when the votes of a parent agree exactly (e.g. a parent with one child).
+EM_VAR_EPS = 5e-4
+# lambda_inf of the inverse-temperature schedule lambda_t = lambda_inf * (1 - 0.95^(t+1)),
+# t = 0..T-1 (capsule_em/em_layers.py). The reference implementation's ``final_beta`` = 0.01
+# (capsule_em/experiment.py and README.md) multiplies a cost written with log sigma^2 where the
+# paper has log sigma, so the same temperature in the paper's formula is 2 * 0.01.
+EM_FINAL_LAMBDA = 0.02
+EM_LAMBDA_DECAY = 0.95
+# FC capsule layers use a quarter of lambda_inf (``final_beta / 4`` in connector_capsule_mat).
+EM_FC_LAMBDA_FACTOR = 0.25
+# Weight std before truncation at 2 std (TensorFlow's truncated normal), per layer kind:
+# conv_capsule_mat (0.3) and connector_capsule_mat (0.01) in capsule_em/em_layers.py.
+EM_INIT_STD = {"conv": 0.3, "fc": 0.01}
+# Only for the optional cost standardization (``standardize_costs``, not in the paper).
 EM_COST_EPS = 1e-6
+EM_ASSIGNMENTS = ("parents", "window")
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,13 +85,11 @@ EM_COST_EPS = 1e-6
 # --------------------------------------------------------------------------------------------
 
 
-def squash(s: Tensor, eps: float = SQUASH_EPS, dim: int = -1) -> Tensor:
-    """``squash(s) = |s|^2 / (1 + |s|^2) * s / |s|`` (Sabour et al. 2017, eq. 1).
-
-    ``|s|`` is taken as ``sqrt(|s|^2 + eps)`` so that ``squash(0) = 0`` with a finite gradient.
-    """
-    n2 = (s * s).sum(dim, keepdim=True)
-    return s * (n2 / (1.0 + n2) / torch.sqrt(n2 + eps))
+def squash(s: Tensor, dim: int = -1) -> Tensor:
+    """``squash(s) = |s|^2 / (1 + |s|^2) * s / |s| = s |s| / (1 + |s|^2)`` (Sabour et al. 2017,
+    eq. 1), exactly; ``torch.linalg.vector_norm`` has gradient 0 at ``s = 0``, so no epsilon."""
+    norm = torch.linalg.vector_norm(s, dim=dim, keepdim=True)
+    return s * (norm / (1.0 + norm * norm))
 
 
 def dynamic_routing(votes: Tensor, iterations: int) -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -75,6 +98,7 @@ def dynamic_routing(votes: Tensor, iterations: int) -> tuple[Tensor, list[Tensor
     ``b_ij = 0``; each iteration: ``c_ij = softmax_j(b_ij)`` (over the parents ``m`` of the site),
     ``s_j = sum_i c_ij u_hat_ij``, ``v_j = squash(s_j)``, and except after the last iteration
     ``b_ij += <u_hat_ij, v_j>``. Gradients flow through every iteration (no stop-gradient).
+    The paper routes 3 times (``iterations = 3`` in the registered models).
 
     Returns the parent poses ``v[B, m, d]`` and, per iteration, the coefficients ``c[B, m, J]``
     and the poses ``v[B, m, d]`` (iteration 0 has uniform coefficients ``1/m``).
@@ -98,42 +122,141 @@ def dynamic_routing(votes: Tensor, iterations: int) -> tuple[Tensor, list[Tensor
     return v, coeffs, poses
 
 
+def em_inverse_temperature(final_lambda: float, t: int) -> float:
+    """``lambda_t = final_lambda * (1 - 0.95^(t+1))`` for iteration ``t = 0, 1, ...``: the
+    schedule of the authors' implementation (capsule_em/em_layers.py); the paper only says
+    that lambda follows a fixed schedule."""
+    return final_lambda * (1.0 - EM_LAMBDA_DECAY ** (t + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowGrid:
+    """Where the ``J = k*k*n`` entries of every conv site come from: child grid
+    ``[b, H, W, n]``, sites ``[b, h, w]``, kernel ``k``, stride. Gathers, for every entry, a
+    reduction over all entries of the same child (every window it falls in)."""
+
+    batch: int
+    height: int
+    width: int
+    types: int
+    out_height: int
+    out_width: int
+    kernel: int
+    stride: int
+
+    @classmethod
+    def of(cls, child_act: Tensor, kernel: int, stride: int) -> WindowGrid:
+        """From the child activations ``[b, H, W, n]``."""
+        b, hh, ww, n = child_act.shape
+        ho, wo = (hh - kernel) // stride + 1, (ww - kernel) // stride + 1
+        return cls(b, hh, ww, n, ho, wo, kernel, stride)
+
+    def sum_over_windows(self, x: Tensor) -> Tensor:
+        """``x[B, J]`` -> ``[B, J]``: every entry becomes the sum of its child's entries."""
+        b, h, w, k, n = self.batch, self.out_height, self.out_width, self.kernel, self.types
+        cols = x.reshape(b, h, w, k, k, n).permute(0, 5, 3, 4, 1, 2)  # [b, n, k, l, h, w]
+        cols = cols.reshape(b, n * k * k, h * w)  # [b, (n, k, l), (h, w)]
+        grid = F.fold(
+            cols, (self.height, self.width), kernel_size=k, stride=self.stride
+        )  # [b, n, H, W]
+        return _windows(grid.permute(0, 2, 3, 1), k, self.stride)[0]  # [B, J]
+
+    def max_over_windows(self, x: Tensor) -> Tensor:
+        """``x[B, J]`` -> ``[B, J]``: every entry becomes the max of its child's entries (no
+        gradient)."""
+        b, h, w, k, n, s = (
+            self.batch,
+            self.out_height,
+            self.out_width,
+            self.kernel,
+            self.types,
+            self.stride,
+        )
+        with torch.no_grad():
+            win = x.reshape(b, h, w, k, k, n)  # [b, h, w, k, l, n]
+            grid = x.new_full((b, self.height, self.width, n), -math.inf)  # [b, H, W, n]
+            for ky in range(k):
+                for kx in range(k):
+                    part = grid[:, ky : ky + s * (h - 1) + 1 : s, kx : kx + s * (w - 1) + 1 : s]
+                    part.copy_(torch.maximum(part, win[:, :, :, ky, kx]))  # [b, h, w, n]
+            return _windows(grid, k, s)[0]  # [B, J]
+
+
+class _SoftmaxOverParents(torch.autograd.Function):
+    """``z[B, m, J]`` -> ``R = exp(z) / sum exp(z)``, the sum over every entry of the same
+    child (all windows it falls in, all parent types): a softmax over all the parents each
+    child votes for. Stabilized by each child's maximum. Saves only ``R`` for the backward
+    (``dz = R * (g - sum_child R g)``), as ``torch.softmax`` does."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, grid: WindowGrid) -> Tensor:  # type: ignore[override]
+        top = grid.max_over_windows(z.amax(1))  # [B, J]
+        r = torch.exp(z - top.unsqueeze(1))  # [B, m, J]
+        r = r / grid.sum_over_windows(r.sum(1)).unsqueeze(1)  # [B, m, J]
+        ctx.save_for_backward(r)
+        ctx.grid = grid
+        return r
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (r,) = ctx.saved_tensors
+        rg = r * grad  # [B, m, J]
+        total = ctx.grid.sum_over_windows(rg.sum(1))  # [B, J]
+        return rg - r * total.unsqueeze(1), None
+
+
 def em_routing(
     votes: Tensor,
     a_in: Tensor,
-    beta_v: Tensor,
+    beta_u: Tensor,
     beta_a: Tensor,
     iterations: int,
-    lambda_0: float = 1.0,
+    final_lambda: float = EM_FINAL_LAMBDA,
+    *,
+    grid: WindowGrid | None = None,
+    standardize_costs: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    """EM routing (Hinton, Sabour, Frosst 2018, Procedure 1) over votes ``V[B, m, J, d]``.
+    """EM routing (Hinton, Sabour, Frosst, ICLR 2018, Procedure 1) over votes ``V[B, m, J, d]``.
 
-    ``a_in[B, J]``: child activations; ``beta_v[m]``, ``beta_a[m]``: learned per parent type.
-    ``R_ij = 1/m``; iteration ``t = 0..T-1`` runs an M-step with inverse temperature
-    ``lambda_t = lambda_0 * (1 + t)`` and, except after the last, an E-step:
+    ``a_in[B, J]``: child activations; ``beta_u[m]``, ``beta_a[m]``: learned per parent type.
+    Iteration ``t = 0..T-1`` runs an M-step with inverse temperature
+    ``lambda_t = final_lambda * (1 - 0.95^(t+1))`` (:func:`em_inverse_temperature`) and, except
+    after the last (whose result the paper's procedure never uses), an E-step:
 
-    - M-step: ``r_ij = R_ij a_i``; ``mu_j^h = sum_i r_ij V_ij^h / sum_i r_ij``;
-      ``(sigma_j^h)^2 = sum_i r_ij (V_ij^h - mu_j^h)^2 / sum_i r_ij + EM_VAR_EPS``;
-      ``cost_j = sum_h (beta_v + log sigma_j^h) sum_i r_ij``;
-      ``a_j = sigmoid(lambda_t (beta_a - cost_hat_j))``.
-    - E-step: ``p_j = N(V_ij; mu_j, diag sigma_j^2)``; ``R_ij = a_j p_j / sum_k a_k p_k``,
-      computed in log space as ``softmax_j(log a_j + log p_j)`` (the same value, no underflow).
+    - M-step: ``r_ij = R_ij a_i``; ``mu_j^h = sum_i r_ij V_ij^h / (sum_i r_ij + EM_EPS)``;
+      ``(sigma_j^h)^2 = sum_i r_ij (V_ij^h - mu_j^h)^2 / (sum_i r_ij + EM_EPS) + EM_VAR_EPS``;
+      ``cost_j^h = (beta_u + log sigma_j^h) sum_i r_ij``;
+      ``a_j = sigmoid(lambda_t (beta_a - sum_h cost_j^h))``.
+    - E-step: ``p_ij = N(V_ij; mu_j, diag sigma_j^2)``; ``R_ij = a_j p_ij / sum_k a_k p_ik``,
+      computed in log space as a softmax of ``log a_j + log p_ij`` (same value, no underflow).
 
-    Cost normalization (the usual stabilization; the paper leaves the scale of the cost open):
-    ``cost_hat_j = (cost_j - mean_k cost_k) / (std_k cost_k + EM_COST_EPS)`` with mean and
-    (population) standard deviation over the ``m`` parent types of the site, the std taken as
-    ``sqrt(var + EM_COST_EPS^2)``. The raw cost grows with the number of children ``J`` and the
-    vote scale; normalized, it is O(1), so one ``lambda`` schedule works for every layer.
+    The sum over ``k`` runs over every parent child ``i`` votes for. With ``grid=None`` those
+    are the ``m`` parents of its site (an FC layer, or a conv layer routed window by window);
+    with the :class:`WindowGrid` of a conv layer it runs over all of them, in every window the
+    child falls in, as the paper's conv layers do, and the first iteration's ``R_ij`` is
+    uniform over them, ``1 / (m * windows of i)`` (the paper's ``1 / |Omega_{L+1}|`` over the
+    parents the child is connected to; the authors' code starts from ``1/m`` in every window).
+
+    ``standardize_costs`` (off by default; not in the paper nor the authors' code) replaces
+    ``sum_h cost_j^h`` by ``(c_j - mean_k c_k) / (std_k c_k + EM_COST_EPS)`` over the ``m`` parent
+    types of the site (population std, taken as ``sqrt(var + EM_COST_EPS^2)``). A stabilizer: the
+    raw cost grows with the number of children and the vote scale, the standardized one is
+    O(1), so O(1) temperatures work in every layer; pair it with ``final_lambda`` near 1.
 
     Returns ``mu[B, m, d]``, ``a_out[B, m]`` and per iteration the assignment ``R[B, m, J]``
-    used by that M-step (iteration 0: uniform), the means and the activations after it.
+    used by that M-step, the means and the activations after it.
     """
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
     bsz, m, j, _ = votes.shape
-    r = votes.new_full((bsz, m, j), 1.0 / m)  # [B, m, J]
+    if grid is None:
+        r = votes.new_full((bsz, m, j), 1.0 / m)  # [B, m, J]
+    else:
+        windows = grid.sum_over_windows(votes.new_ones(bsz, j))  # [B, J]
+        r = (1.0 / (m * windows)).unsqueeze(1).expand(bsz, m, j)  # [B, m, J]
     a_w = a_in.unsqueeze(1)  # [B, 1, J]
-    bv = beta_v.view(1, m, 1)  # [1, m, 1]
+    bu = beta_u.view(1, m, 1)  # [1, m, 1]
     ba = beta_a.view(1, m)  # [1, m]
     log_2pi = math.log(2.0 * math.pi)
     rs: list[Tensor] = []
@@ -142,7 +265,7 @@ def em_routing(
     mu = votes.new_zeros(bsz, m, votes.shape[-1])
     a_out = votes.new_zeros(bsz, m)
     for t in range(iterations):
-        lam = lambda_0 * (1.0 + t)
+        lam = em_inverse_temperature(final_lambda, t)
         rs.append(r)
         # M-step
         ra = r * a_w  # [B, m, J]
@@ -152,20 +275,25 @@ def em_routing(
         diff = votes - mu.unsqueeze(2)  # [B, m, J, d]
         diff2 = diff * diff  # [B, m, J, d]
         var = (wts.unsqueeze(2) @ diff2).squeeze(2) + EM_VAR_EPS  # [B, m, d]
-        log_var = torch.log(var)  # [B, m, d]
-        cost = ((bv + 0.5 * log_var) * mass).sum(-1)  # [B, m]
-        mean = cost.mean(-1, keepdim=True)  # [B, 1]
-        std = torch.sqrt((cost - mean).pow(2).mean(-1, keepdim=True) + EM_COST_EPS**2)  # [B, 1]
-        pre = lam * (ba - (cost - mean) / (std + EM_COST_EPS))  # [B, m]
+        log_var = torch.log(var)  # [B, m, d]; log sigma = log_var / 2
+        cost = ((bu + 0.5 * log_var) * mass).sum(-1)  # [B, m]
+        if standardize_costs:
+            mean = cost.mean(-1, keepdim=True)  # [B, 1]
+            std = torch.sqrt((cost - mean).pow(2).mean(-1, keepdim=True) + EM_COST_EPS**2)
+            cost = (cost - mean) / (std + EM_COST_EPS)  # [B, m]
+        pre = lam * (ba - cost)  # [B, m]
         a_out = torch.sigmoid(pre)  # [B, m]
         mus.append(mu)
         acts.append(a_out)
         if t + 1 < iterations:
-            # E-step: log p_j = -sum_h [(V - mu)^2 / (2 sigma^2) + log(2 pi sigma^2) / 2]
+            # E-step: log p_ij = -sum_h [(V - mu)^2 / (2 sigma^2) + log(2 pi sigma^2) / 2]
             maha = (diff2 @ (1.0 / var).unsqueeze(-1)).squeeze(-1)  # [B, m, J, d] @ [B, m, d, 1]
             log_norm = 0.5 * (log_var + log_2pi).sum(-1, keepdim=True)  # [B, m, 1]
-            log_p = -0.5 * maha - log_norm  # [B, m, J]
-            r = torch.softmax(F.logsigmoid(pre).unsqueeze(-1) + log_p, dim=1)  # [B, m, J]
+            log_ap = F.logsigmoid(pre).unsqueeze(-1) - 0.5 * maha - log_norm  # [B, m, J]
+            if grid is None:
+                r = torch.softmax(log_ap, dim=1)  # [B, m, J]
+            else:
+                r = _SoftmaxOverParents.apply(log_ap, grid)  # [B, m, J]
     return mu, a_out, rs, mus, acts
 
 
@@ -316,13 +444,19 @@ class EMCapsules(_BaselineCapsules):
     """A capsule layer with pose matrices, activations and EM routing (Hinton et al. 2018).
 
     Votes ``V_ij = M_i W_ij`` (the pose times a learned ``x x c`` matrix, the convention of the
-    main model; a vector pose is a ``1 x d`` row). ``beta_v``, ``beta_a``: one per parent type,
-    shared over positions, initialized to 0. Init (fan-based): ``W ~ N(0, J / x)`` with ``J``
-    the children per parent site. The M-step averages votes, and the mean of ``J`` votes from
-    independent random weights is ``sqrt(J)`` times smaller than one vote, so this keeps the
-    parent means ``mu_j`` of the uniform first iteration on the scale of the child poses (with
-    ``N(0, 1/x)`` the poses shrink about tenfold per layer until ``EM_VAR_EPS`` dominates every
-    variance).
+    main model; a vector pose is a ``1 x d`` row). ``beta_u``, ``beta_a``: one per parent type,
+    shared over positions, initialized to 0 (the paper gives no initial value; the authors' code
+    starts its biases at 0.5 to 2 in a rescaled parametrization that has no counterpart here).
+    Init: ``W`` from a normal with std ``EM_INIT_STD[kind]`` (0.3 conv, 0.01 FC) truncated at
+    2 std, as the authors' implementation (capsule_em/em_layers.py) does.
+
+    ``final_lambda``: ``lambda_inf`` of the inverse-temperature schedule (:func:`em_routing`);
+    default ``EM_FINAL_LAMBDA`` (0.02) for conv layers and a quarter of it for FC layers.
+    ``assignment`` (conv layers): ``"parents"`` (default, the paper's) normalizes a child's
+    assignments over every parent it votes for, in all the windows it falls in; ``"window"``
+    routes each window on its own, normalizing over the ``m`` parent types there (as the main
+    model and the dynamic-routing baseline do; cheaper to reason about, not the paper's).
+    ``standardize_costs``: see :func:`em_routing` (off by default; not in the paper).
     No coordinate addition: the class layer has separate weights for every child position, like
     the main model's FC layer, so positions are already distinguishable.
     """
@@ -338,30 +472,53 @@ class EMCapsules(_BaselineCapsules):
         rows: int,
         kernel: int = 1,
         stride: int = 1,
+        final_lambda: float | None = None,
+        assignment: str = "parents",
+        standardize_costs: bool = False,
     ) -> None:
         super().__init__(
             kind, in_types, in_dim, out_types, out_dim, rows=rows, kernel=kernel, stride=stride
         )
-        self.beta_v = nn.Parameter(torch.zeros(out_types))
+        if assignment not in EM_ASSIGNMENTS:
+            raise ValueError(f"assignment must be one of {EM_ASSIGNMENTS}, got {assignment!r}")
+        if final_lambda is None:
+            factor = EM_FC_LAMBDA_FACTOR if kind == "fc" else 1.0
+            final_lambda = EM_FINAL_LAMBDA * factor
+        self.final_lambda = final_lambda
+        self.assignment = assignment
+        self.standardize_costs = standardize_costs
+        self.beta_u = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        std = EM_INIT_STD[self.kind]
         with torch.no_grad():
-            self.weight.normal_(0.0, math.sqrt(self.fan / self.cols_in))
-            self.beta_v.zero_()
+            nn.init.trunc_normal_(self.weight, 0.0, std, -2.0 * std, 2.0 * std)
+            self.beta_u.zero_()
             self.beta_a.zero_()
 
     def route(
-        self, child: Tensor, act: Tensor, iterations: int, lambda_0: float = 1.0
+        self, child: Tensor, act: Tensor, iterations: int, final_lambda: float | None = None
     ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor]]:
         """Child poses and activations -> parent poses (``[b, h, w, m, d]`` / ``[b, m, d]``),
         activations (``[b, h, w, m]`` / ``[b, m]``), and per iteration ``R`` (``[b, h, w, k,
-        l, n, m]`` / ``[b, n, m]``), the parent poses and the parent activations."""
+        l, n, m]`` / ``[b, n, m]``), the parent poses and the parent activations.
+        ``final_lambda`` overrides the layer's ``lambda_inf`` for this call."""
         xs, site = self.sites(child)  # [B, J, d_in]
         a_in = self.child_activations(act)  # [B, J]
+        grid = None
+        if self.kind == "conv" and self.assignment == "parents":
+            grid = WindowGrid.of(act, self.kernel, self.stride)
         mu, a_out, rs, mus, acts = em_routing(
-            self.votes(xs), a_in, self.beta_v, self.beta_a, iterations, lambda_0
+            self.votes(xs),
+            a_in,
+            self.beta_u,
+            self.beta_a,
+            iterations,
+            self.final_lambda if final_lambda is None else final_lambda,
+            grid=grid,
+            standardize_costs=self.standardize_costs,
         )
         return (
             self.unsite(mu, site),
@@ -493,9 +650,12 @@ class EMCapsNet(_BaselineNet):
     Poses are matrices as in the main model (4x4 for pose dim 16; a vector spec is a ``1 x d``
     row). The primary capsules are the main model's 1x1 pose convolution (no LayerNorm) plus a
     1x1 convolution (with bias) to one sigmoid activation per capsule type. ``forward`` returns
-    the class activations ``a_c`` (``output_kind = "activation"``). ``lambda_0`` (default 1.0)
-    scales the inverse-temperature schedule ``lambda_t = lambda_0 * (1 + t)``, ``t = 0..T-1``;
-    the costs are normalized (see :func:`em_routing`), so O(1) temperatures are meaningful.
+    the class activations ``a_c`` (``output_kind = "activation"``).
+
+    Routing knobs from the config: ``em_lambda`` (``lambda_inf`` of conv layers; FC layers,
+    the class capsules included, use a quarter of it), ``em_assignment`` and
+    ``em_standardize_costs`` (see :class:`EMCapsules`). The paper routes 3 times
+    (``iterations = 3`` in the registered models).
     """
 
     arch = "capsnet-em"
@@ -503,7 +663,8 @@ class EMCapsNet(_BaselineNet):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.lambda_0 = 1.0
+        if not cfg.em_lambda > 0:
+            raise ConfigError(f"model.em_lambda: must be > 0, got {cfg.em_lambda}")
         self.primary_act = nn.Conv2d(
             BACKBONE_CHANNELS[cfg.backbone], cfg.primary_types, kernel_size=1
         )
@@ -514,6 +675,7 @@ class EMCapsNet(_BaselineNet):
             rows, _ = pose_shape(in_dim, spec.pose)
             if spec.pose_dim % rows:
                 raise ConfigError(f"model: pose dim {spec.pose_dim} is not a {rows}-row matrix")
+            factor = EM_FC_LAMBDA_FACTOR if spec.kind == "fc" else 1.0
             layers.append(
                 EMCapsules(
                     spec.kind,
@@ -524,6 +686,9 @@ class EMCapsNet(_BaselineNet):
                     rows=rows,
                     kernel=spec.kernel if spec.kind == "conv" else 1,
                     stride=spec.stride if spec.kind == "conv" else 1,
+                    final_lambda=cfg.em_lambda * factor,
+                    assignment=cfg.em_assignment,
+                    standardize_costs=cfg.em_standardize_costs,
                 )
             )
             self._add_grid(item)
@@ -535,7 +700,7 @@ class EMCapsNet(_BaselineNet):
         pose = self.primary(feats)  # [b, h, w, n, d]
         act = torch.sigmoid(self.primary_act(feats)).permute(0, 2, 3, 1)  # [b, h, w, n]
         for i, layer in enumerate(self.capsules):
-            pose, act, rs, mus, _ = layer.route(pose, act, self.iterations, self.lambda_0)
+            pose, act, rs, mus, _ = layer.route(pose, act, self.iterations)
             if trace is not None:
                 trace.coefficients[i] = [r.detach() for r in rs]
                 trace.poses[i] = [p.detach() for p in mus]

@@ -46,6 +46,14 @@ class ModelConfig:
     ``arch: capsnet-dynamic`` / ``capsnet-em`` use the same layer list with dynamic routing
     (Sabour et al. 2017) or EM routing (Hinton et al. 2018) instead.
     ``head``: ``shared`` (one ``Linear(D, 1)`` for every class, the paper's) or ``per_class``.
+
+    EM routing only (``arch: capsnet-em``; see ``capsctl.models.routing_baselines``):
+    ``em_lambda``: ``lambda_inf`` of the inverse-temperature schedule
+    ``lambda_t = lambda_inf * (1 - 0.95^(t+1))`` of conv capsule layers (FC layers use a quarter
+    of it); the default 0.02 is the authors' implementation's. ``em_assignment``: ``parents``
+    (the paper's: a conv child's assignments are normalized over every parent it votes for) or
+    ``window`` (each window routed on its own). ``em_standardize_costs``: standardize the costs
+    over the parent types of each site (a stabilizer not in the paper; off by default).
     """
 
     arch: Arch = "capsnet"
@@ -64,6 +72,9 @@ class ModelConfig:
     layer_norm: bool = True
     agreement_scale: bool = True
     head: Literal["shared", "per_class"] = "shared"
+    em_lambda: float = 0.02
+    em_assignment: Literal["parents", "window"] = "parents"
+    em_standardize_costs: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
