@@ -615,6 +615,14 @@ def test_split_train_val() -> None:
     assert sorted(ids_of(tr.images) + ids_of(va.images)) == list(range(103))
     assert ids_of(va.images) == sorted(ids_of(va.images))  # original order kept
     assert torch.bincount(va.labels).tolist() == [5, 5, 5, 5]  # stratified
+    # pinned: the same images as before composite datasets got their own split
+    pinned = [12, 23, 25, 33, 35, 37, 38, 43, 54, 62, 65, 66, 67, 68, 71, 72, 76, 77, 82, 92]
+    assert ids_of(va.images) == pinned
+    # a plain multi-label dataset is still split by rows, stratified on the first label
+    pairs = ArrayDataset(
+        ds.images, torch.stack([ds.labels, (ds.labels + 1) % 4], 1), ds.classes, "p"
+    )
+    assert ids_of(split_train_val(pairs, 20, seed=7)[1].images) == pinned
     assert fingerprint(va) == fingerprint(va2)
     # global RNG state does not matter
     torch.manual_seed(999)

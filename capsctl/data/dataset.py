@@ -9,7 +9,7 @@ import torch
 
 from capsctl.errors import DataError
 
-__all__ = ["ArrayDataset", "fingerprint", "split_train_val"]
+__all__ = ["ArrayDataset", "fingerprint", "split_train_val", "stratified_val_mask"]
 
 
 @dataclass
@@ -88,6 +88,10 @@ def split_train_val(
     CPU ``torch.Generator`` seeded with ``seed``, so the split is the same on every machine
     and independent of the global RNG. Both parts keep the original order of ``ds``.
     ``val_size == 0`` gives an empty val set.
+
+    A dataset composed from source items (DiverseMultiMNIST: its images share MNIST digits)
+    has a ``split_by_source(val_size, seed)`` method; for ``val_size > 0`` it is used instead,
+    so that no source item is on both sides (see :mod:`capsctl.data.multimnist`).
     """
     n = len(ds)
     if not 0 <= val_size < n:
@@ -95,11 +99,29 @@ def split_train_val(
             f"val_size {val_size} is not in [0, {n}) for dataset {ds.name!r}; choose a smaller "
             "validation size"
         )
+    by_source = getattr(ds, "split_by_source", None)
+    if by_source is not None and val_size > 0:
+        return by_source(val_size, seed)
     labels = ds.labels if ds.labels.dim() == 1 else ds.labels[:, 0]  # stratify on the first label
-    num_classes = max(int(labels.max()) + 1, ds.num_classes) if n else ds.num_classes
+    is_val = stratified_val_mask(labels, ds.num_classes, val_size, seed)  # [N]
+    return ds.subset(~is_val), ds.subset(is_val)
+
+
+def stratified_val_mask(
+    labels: torch.Tensor, num_classes: int, val_size: int, seed: int
+) -> torch.Tensor:
+    """Bool mask ``[N]`` over int64 ``labels [N]`` marking ``val_size`` items, stratified.
+
+    Each class gets a share of ``val_size`` in proportion to its size (largest-remainder
+    rounding, ties to the lower class index); within class ``k`` (in increasing ``k``) the
+    items are drawn by ``torch.randperm`` on a CPU generator seeded with ``seed``.
+    """
+    n = int(labels.numel())
+    if n:
+        num_classes = max(int(labels.max()) + 1, num_classes)
     counts = torch.bincount(labels, minlength=num_classes).tolist()
     # Largest-remainder allocation of val_size over classes.
-    exact = [val_size * c / n for c in counts]
+    exact = [val_size * c / n for c in counts] if n else [0.0] * num_classes
     take = [int(e) for e in exact]
     short = val_size - sum(take)
     order = sorted(range(num_classes), key=lambda k: (-(exact[k] - take[k]), k))
@@ -114,7 +136,7 @@ def split_train_val(
         members = torch.nonzero(labels == k, as_tuple=True)[0]
         chosen = members[torch.randperm(members.numel(), generator=gen)[: take[k]]]
         is_val[chosen] = True
-    return ds.subset(~is_val), ds.subset(is_val)
+    return is_val
 
 
 _CHUNK = 1 << 24  # 16 MiB

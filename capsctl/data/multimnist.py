@@ -10,13 +10,32 @@ The generator is deterministic: image ``i`` depends only on ``(seed, i)`` throug
 ``torch.Generator``, so the same call gives the same images on every machine. The training set
 uses every MNIST training image once as the first digit (``n`` = 60,000 by default); the test
 set is built from the MNIST test images with another seed.
+
+Validation split. :func:`diverse_multimnist` returns a :class:`CompositeDataset`, which keeps
+the MNIST digits it was composed from and, per image, the indices of its two source digits.
+:func:`capsctl.data.split_train_val` on such a dataset does not pick composites (that would put
+an MNIST digit in a validation image and again in training images, as a second digit or even
+as the first digit of another image, so validation accuracy would be optimistic and the
+best-epoch choice would leak). It holds out source digits instead
+(:meth:`CompositeDataset.split_by_source`): ``val_size`` of the MNIST training digits, stratified
+by class and drawn with the split seed exactly as :func:`~capsctl.data.split_train_val` draws
+images, and then composes the validation set only from the held-out digits (first and second
+digits) and the training set only from the others, each with its own seed derived from the
+dataset's seed and the split seed. With the default one image per digit, the training part has
+``N - val_size`` images (one per remaining digit) and the validation part ``val_size`` images
+(one per held-out digit); no MNIST digit appears on both sides. The parts are new composites,
+not rows of the full set, and the same ``(val_size, seed)`` always gives the same parts.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
+
 import torch
 
-from capsctl.data.dataset import ArrayDataset
+from capsctl.data.dataset import ArrayDataset, stratified_val_mask
+from capsctl.errors import DataError
 
 CANVAS = 36
 SHIFT = 4
@@ -39,25 +58,108 @@ def _place(digits: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, canvas: int
     return out * valid
 
 
+@dataclass
+class CompositeDataset(ArrayDataset):
+    """A DiverseMultiMNIST dataset that remembers how it was composed.
+
+    Attributes (besides those of :class:`ArrayDataset`):
+        digits: the MNIST dataset the digits come from (not copied).
+        pool: int64 ``[P]``, the indices into ``digits`` this dataset was allowed to use.
+        first: int64 ``[N]``, index into ``digits`` of each image's first digit.
+        second: int64 ``[N]``, index into ``digits`` of each image's second digit (``-1`` for a
+            single digit).
+        seed: the generator seed.
+        count: the ``n`` it was built with (``None``: one image per digit of ``pool``).
+    """
+
+    digits: ArrayDataset = field(repr=False)
+    pool: torch.Tensor = field(repr=False)
+    first: torch.Tensor = field(repr=False)
+    second: torch.Tensor = field(repr=False)
+    seed: int = 0
+    count: int | None = None
+
+    def split_by_source(
+        self, val_size: int, seed: int
+    ) -> tuple[CompositeDataset, CompositeDataset]:
+        """(train, val) composed from disjoint source digits; see the module docstring.
+
+        ``val_size`` digits of ``pool`` are held out (stratified by class, drawn with ``seed``)
+        and composed into ``val_size`` validation images; the remaining digits are composed
+        into ``len(self) - val_size`` training images.
+        """
+        n = len(self)
+        if not 0 < val_size < min(n, int(self.pool.numel())):
+            raise DataError(
+                f"val_size {val_size} is not in [1, {min(n, int(self.pool.numel()))}) for "
+                f"dataset {self.name!r}; choose a smaller validation size"
+            )
+        labels = self.digits.labels[self.pool]  # [P]
+        held = stratified_val_mask(labels, self.digits.num_classes, val_size, seed)  # [P]
+        train_n = None if self.count is None else n - val_size
+        val_n = None if self.count is None else val_size
+        train = diverse_multimnist(
+            self.digits,
+            train_n,
+            seed=_part_seed(self.seed, seed, "train"),
+            name=self.name,
+            pool=self.pool[~held],
+        )
+        val = diverse_multimnist(
+            self.digits,
+            val_n,
+            seed=_part_seed(self.seed, seed, "val"),
+            name=self.name,
+            pool=self.pool[held],
+        )
+        return train, val
+
+
+def _part_seed(dataset_seed: int, split_seed: int, part: str) -> int:
+    """A generator seed for one part of a split, fixed by the two seeds and the part's name."""
+    text = f"diverse-multimnist split {int(dataset_seed)} {int(split_seed)} {part}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
 def diverse_multimnist(
-    mnist: ArrayDataset, n: int | None = None, *, seed: int = 0, name: str = "diverse-multimnist"
-) -> ArrayDataset:
-    """Build ``n`` DiverseMultiMNIST images from an MNIST split (default: one per image)."""
-    count = len(mnist) if n is None else int(n)
+    mnist: ArrayDataset,
+    n: int | None = None,
+    *,
+    seed: int = 0,
+    name: str = "diverse-multimnist",
+    pool: torch.Tensor | None = None,
+) -> CompositeDataset:
+    """Build ``n`` DiverseMultiMNIST images from an MNIST split (default: one per image).
+
+    ``pool`` (int64 indices into ``mnist``) restricts both digits of every image to those
+    MNIST images; without it every image may be used. With ``n=None`` each digit of the pool
+    is the first digit of exactly one image, in pool order; otherwise first digits are drawn
+    from the pool at random.
+    """
+    total = len(mnist)
+    src = torch.arange(total) if pool is None else torch.as_tensor(pool, dtype=torch.int64)
+    size = int(src.numel())
+    count = size if n is None else int(n)
+    if size == 0:
+        raise DataError(f"dataset {name!r}: no MNIST digits to compose images from")
     gen = torch.Generator().manual_seed(int(seed))
     digits = mnist.images[:, 0]  # [N, 28, 28]
     labels = mnist.labels
-    total = len(mnist)
     first = (
-        torch.arange(count) % total
+        src[torch.arange(count) % size]
         if n is None
-        else torch.randint(0, total, (count,), generator=gen)
+        else src[torch.randint(0, size, (count,), generator=gen)]
     )
     pair = torch.rand(count, generator=gen) >= SINGLE_FRACTION
-    second = torch.randint(0, total, (count,), generator=gen)
+    if bool(pair.any()) and int(labels[src].unique().numel()) < 2:
+        raise DataError(
+            f"dataset {name!r}: two-digit images need digits of at least two classes, but the "
+            f"{size} source digits have one; use more digits (e.g. a larger validation size)"
+        )
+    second = src[torch.randint(0, size, (count,), generator=gen)]
     clash = pair & (labels[second] == labels[first])
     while bool(clash.any()):  # redraw second digits of the same class
-        second[clash] = torch.randint(0, total, (int(clash.sum()),), generator=gen)
+        second[clash] = src[torch.randint(0, size, (int(clash.sum()),), generator=gen)]
         clash = pair & (labels[second] == labels[first])
     shifts = torch.randint(-SHIFT, SHIFT + 1, (4, count), generator=gen)
     images = torch.empty(count, 1, CANVAS, CANVAS, dtype=torch.uint8)
@@ -68,10 +170,20 @@ def diverse_multimnist(
         b = _place(digits[second[s:e]], shifts[2, s:e], shifts[3, s:e], CANVAS)  # [n, 36, 36]
         b = b * pair[s:e, None, None]
         images[s:e, 0] = torch.maximum(a, b)
-    y = torch.stack(
-        [labels[first], torch.where(pair, labels[second], torch.full_like(labels[first], -1))], 1
+    none = torch.full_like(first, -1)
+    y = torch.stack([labels[first], torch.where(pair, labels[second], none)], 1)  # [n, 2]
+    return CompositeDataset(
+        images.contiguous(),
+        y.contiguous(),
+        list(mnist.classes),
+        name,
+        digits=mnist,
+        pool=src,
+        first=first,
+        second=torch.where(pair, second, none),
+        seed=int(seed),
+        count=None if n is None else count,
     )
-    return ArrayDataset(images.contiguous(), y.contiguous(), list(mnist.classes), name)
 
 
 def multi_hot(y: torch.Tensor, classes: int) -> torch.Tensor:

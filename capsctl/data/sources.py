@@ -17,6 +17,9 @@ Where data is looked for (``root`` = :func:`resolve_data_dir`):
   ``root/<name>``, ``root/<name>/raw``, torchvision's ``root/MNIST/raw`` /
   ``root/FashionMNIST/raw`` and, for Fashion-MNIST, ``/usr/share/datasets/fashion-mnist``;
   else downloaded from the canonical mirrors into ``root/<name>/``.
+- ``diverse-multimnist``: composed from the MNIST split found as above
+  (:mod:`capsctl.data.multimnist`); the result remembers its source digits, so that
+  :func:`~capsctl.data.split_train_val` holds out MNIST digits, not composites.
 - ``fashion-mnist-quickstart``: the subset shipped inside the package (no files needed).
 - ``imagefolder:<path>``: ``<path>/<split>/<class>/*.png|jpg|jpeg|bmp|gif|webp``.
 """
