@@ -6,10 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "build_model", "list_models", "load_checkpoint"]
+__all__ = ["__version__", "build_model", "from_pretrained", "list_models", "load_checkpoint"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from capsctl.checkpoint import load_checkpoint
+    from capsctl.hub import from_pretrained
     from capsctl.registry import build_model, list_models
 
 
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from capsctl import checkpoint
 
         return checkpoint.load_checkpoint
+    if name == "from_pretrained":
+        from capsctl import hub
+
+        return hub.from_pretrained
     raise AttributeError(f"module 'capsctl' has no attribute {name!r}")

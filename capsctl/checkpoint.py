@@ -11,6 +11,12 @@ Layout of a checkpoint file:
 
 Every file is validated (:func:`read_header`) before a tensor is read, and written
 atomically (:func:`save_checkpoint`).
+
+The readers (:func:`read_metadata`, :func:`load_tensors`, :func:`model_config`,
+:func:`load_checkpoint`) also accept a model folder (``model.safetensors`` + ``config.json``,
+written by ``capsctl export --format hf``, see :mod:`capsctl.hub`): it reads like a
+weights-only checkpoint, its metadata rebuilt from ``config.json`` and its tensors under
+``model.`` names.
 """
 
 from __future__ import annotations
@@ -295,8 +301,15 @@ def _check_entry(path: Path, name: str, info: Any, data_size: int) -> tuple[int,
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The decoded metadata of a capsctl checkpoint (without the ``format`` marker)."""
+    """The decoded metadata of a capsctl checkpoint (without the ``format`` marker).
+
+    For a model folder: the metadata rebuilt from its ``config.json``.
+    """
     path = Path(path)
+    if path.is_dir():
+        from capsctl.hub import read_folder_metadata
+
+        return read_folder_metadata(path)
     _, raw = read_header(path)
     if raw.get("format") != FORMAT:
         raise CheckpointError(
@@ -319,8 +332,15 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_tensors(
     path: str | os.PathLike[str], device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """All tensors of a validated safetensors file, on ``device``."""
+    """All tensors of a validated safetensors file, on ``device``.
+
+    For a model folder: the tensors of its ``model.safetensors`` under ``model.<name>``.
+    """
     path = Path(path)
+    if path.is_dir():
+        from capsctl.hub import load_folder_tensors
+
+        return load_folder_tensors(path, device)
     read_header(path)
     try:
         return load_file(str(path), device=str(device))
@@ -360,7 +380,8 @@ def load_checkpoint(
 
     The model is built from ``metadata["preset"]["model"]`` with
     ``capsctl.models.build_model_from_config`` and loaded from the ``model.*`` tensors with
-    strict key and shape checks.
+    strict key and shape checks. ``path`` may be a model folder (its ``model.safetensors`` must
+    hold exactly the model's tensors).
     """
     path = Path(path)
     metadata = read_metadata(path)
@@ -370,7 +391,12 @@ def load_checkpoint(
     model = build_model_from_config(config)
     tensors = load_tensors(path)
     state = {k[len(_MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(_MODEL_PREFIX)}
-    _check_state(path, model, state)
+    if path.is_dir():
+        from capsctl.hub import check_folder_state
+
+        check_folder_state(path, model, state)
+    else:
+        _check_state(path, model, state)
     model.load_state_dict(state, strict=True)
     model.to(device)
     model.eval()

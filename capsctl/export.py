@@ -11,10 +11,15 @@
 * ``safetensors``: a weights-only copy (:func:`capsctl.checkpoint.strip_training_state`:
   metadata kept, optimizer/scheduler/EMA/RNG state dropped), rebuilt with
   :func:`capsctl.checkpoint.load_checkpoint`; its outputs must be identical.
+* ``hf``: a model folder in the Hugging Face layout (``model.safetensors`` weights only,
+  ``config.json``, ``README.md`` model card), see :func:`capsctl.hub.export_model_folder`;
+  loaded back from the folder, its outputs must be identical.
 
-Every artifact gets a JSON sidecar ``<artifact>.json`` (input size, channels, normalization,
-class names, format, versions, source checkpoint and the parity result). Files are written to
-a temporary file in the target folder and renamed into place only after the check passed.
+Every file artifact gets a JSON sidecar ``<artifact>.json`` (input size, channels,
+normalization, class names, format, versions, source checkpoint and the parity result); a model
+folder carries the same facts in its ``config.json``. Files are written to a temporary file (a
+temporary folder for ``hf``) next to the target and renamed into place only after the check
+passed.
 
 Exporting the capsule network: the eager routed pass walks over the batch in chunks with a
 Python loop, which tracing would unroll and specialize to the example's batch size. While
@@ -67,6 +72,7 @@ FORMATS: dict[str, str] = {
     "onnx": ".onnx",
     "pt2": ".pt2",
     "safetensors": ".release.safetensors",
+    "hf": "-hf",
 }
 #: Batch size of the example input used for tracing (>= 2, so the batch dim is not special).
 EXAMPLE_BATCH = 2
@@ -80,12 +86,14 @@ _ONNX_MISSING = "ONNX export needs onnx, onnxscript and onnxruntime: pip install
 class ExportResult:
     """What :func:`export_checkpoint` wrote and how it was checked.
 
-    ``path``: the artifact; ``format``: ``onnx``/``pt2``/``safetensors``; ``sidecar``: the JSON
-    file next to it; ``max_abs_diff``: largest ``|artifact - eager PyTorch|`` over all logits
-    checked (None if nothing was compared); ``checked_on``: what it was compared on, e.g.
-    ``"4 synthetic images"``; ``size_bytes``: size of the artifact; ``batch_sizes``: batch
-    sizes run through the artifact; ``seconds``: wall time of the export (trace and write);
-    ``check_seconds``: wall time of the check.
+    ``path``: the artifact (for ``hf``: the model folder); ``format``:
+    ``onnx``/``pt2``/``safetensors``/``hf``; ``sidecar``: the JSON file next to it (for ``hf``:
+    the folder's ``config.json``); ``max_abs_diff``: largest ``|artifact - eager PyTorch|``
+    over all logits checked (None if nothing was compared); ``checked_on``: what it was
+    compared on, e.g. ``"4 synthetic images"``; ``size_bytes``: size of the artifact;
+    ``batch_sizes``: batch sizes run through the artifact; ``seconds``: wall time of the
+    export (trace and write); ``check_seconds``: wall time of the check; ``files``: for
+    ``hf``, the names of the files in the folder.
     """
 
     path: Path
@@ -97,6 +105,7 @@ class ExportResult:
     batch_sizes: list[int] = field(default_factory=list)
     seconds: float = 0.0
     check_seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -314,16 +323,22 @@ def export_checkpoint(
     check_images: Tensor | None = None,
     check_description: str | None = None,
     tolerance: float = 1e-4,
+    overwrite: bool = False,
     on_event: EventFn = None,
 ) -> ExportResult:
-    """Export checkpoint ``ckpt`` as ``fmt`` (``onnx``, ``pt2`` or ``safetensors``) and check it.
+    """Export checkpoint ``ckpt`` as ``fmt`` (``onnx``, ``pt2``, ``safetensors``, ``hf``), check it.
+
+    ``ckpt``: a capsctl checkpoint file or a model folder.
 
     ``out``: the artifact path; default :func:`default_output_path`; an existing folder gets
     the default file name inside it. ``check_images``: normalized float images ``[N, C, H, W]``
     to compare the artifact with eager PyTorch on (default: 4 seeded random images),
     described in the result as ``check_description`` (default ``"N images"``). A difference
     above ``tolerance`` raises :class:`CapsctlError` and leaves nothing written; a release
-    safetensors file must reproduce the outputs exactly. Raises :class:`UsageError` for an
+    safetensors file and a model folder must reproduce the outputs exactly. For ``hf``, ``out``
+    is the model folder itself (default ``<folder>/<stem>-hf``; see
+    :func:`capsctl.hub.export_model_folder`): an existing empty folder is filled, a non-empty
+    one is refused unless ``overwrite``. Raises :class:`UsageError` for an
     unknown format or bad check images, :class:`CapsctlError` for a missing optional package,
     an output folder that does not exist or is not writable, or a failed export,
     :class:`~capsctl.errors.CheckpointError` for an unreadable checkpoint.
@@ -334,6 +349,17 @@ def export_checkpoint(
         raise CapsctlError(_ONNX_MISSING)
     if not tolerance >= 0:
         raise UsageError(f"tolerance must be >= 0, got {tolerance}")
+    if fmt == "hf":
+        from capsctl.hub import export_model_folder
+
+        return export_model_folder(
+            ckpt,
+            out,
+            check_images=check_images,
+            check_description=check_description,
+            overwrite=overwrite,
+            on_event=on_event,
+        )
     ckpt = Path(ckpt)
     read_metadata(ckpt)  # a missing or foreign checkpoint is reported before the output path
     path = default_output_path(ckpt, fmt) if out is None else Path(out)
