@@ -307,3 +307,101 @@ def test_rows_to_json_is_serializable(with_resnet: Run) -> None:
     assert back["rows"][0]["train_ratio"] == 1.0
     default = rows_to_json(rows)
     assert default["device"] == "cpu" and default["batch_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV (timm's benchmark.py column names)
+
+BENCH_HEADER = (
+    "model,infer_samples_per_sec,infer_step_time,infer_batch_size,infer_img_size,"
+    "train_samples_per_sec,train_step_time,train_batch_size,train_img_size,param_count,"
+    "arch,device,iterations,routing,train_step_time_min,train_ratio,infer_ratio,"
+    "peak_rss_bytes,peak_device_bytes,params"
+)
+
+
+def _csv(text: str) -> list[dict[str, str]]:
+    import csv
+    import io
+
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_rows_to_csv_header_and_units() -> None:
+    row = BenchRow(
+        name="m",
+        arch="capsnet",
+        params=1_234_567,
+        batch_size=8,
+        device="cpu",
+        iterations=2,
+        routing="concurrent",
+        train_step_s=0.25,  # 8 images / 0.25 s = 32 images/s; 250 ms
+        train_step_min_s=0.2,
+        infer_images_per_s=64.0,  # 8 images / 64 images/s = 125 ms per step
+        peak_rss_bytes=300 * MB,
+        peak_device_bytes=None,
+        train_ratio=2.5,
+        infer_ratio=None,
+        input_size=32,
+    )
+    text = bench.rows_to_csv([row])
+    assert text.splitlines()[0] == BENCH_HEADER
+    (got,) = _csv(text)
+    assert got == {
+        "model": "m",
+        "infer_samples_per_sec": "64.0",
+        "infer_step_time": "125.0",
+        "infer_batch_size": "8",
+        "infer_img_size": "32",
+        "train_samples_per_sec": "32.0",
+        "train_step_time": "250.0",
+        "train_batch_size": "8",
+        "train_img_size": "32",
+        "param_count": "1.23",
+        "arch": "capsnet",
+        "device": "cpu",
+        "iterations": "2",
+        "routing": "concurrent",
+        "train_step_time_min": "200.0",
+        "train_ratio": "2.5",
+        "infer_ratio": "",
+        "peak_rss_bytes": str(300 * MB),
+        "peak_device_bytes": "",
+        "params": "1234567",
+    }
+
+
+def test_rows_to_csv_of_measured_rows(with_resnet: Run) -> None:
+    rows, _ = with_resnet
+    resnet, caps = _csv(bench.rows_to_csv(rows))
+    assert resnet["model"] == "resnet18" and resnet["param_count"] == "11.17"
+    assert resnet["infer_img_size"] == resnet["train_img_size"] == "32"
+    assert caps["infer_img_size"] == "16" and caps["train_batch_size"] == "2"
+    assert float(caps["train_step_time"]) == pytest.approx(1000 * rows[1].train_step_s, abs=1e-3)
+    assert float(caps["infer_samples_per_sec"]) == pytest.approx(
+        rows[1].infer_images_per_s, abs=0.01
+    )
+    assert resnet["routing"] == "" and caps["routing"] == "concurrent"
+
+
+def test_rows_to_csv_leaves_a_skipped_phase_empty() -> None:
+    (row,) = run_bench([tiny()], train=False, **FAST)
+    (got,) = _csv(bench.rows_to_csv([row]))
+    assert got["infer_batch_size"] == "2" and got["infer_img_size"] == "16"
+    for col in ("train_samples_per_sec", "train_step_time", "train_batch_size", "train_img_size"):
+        assert got[col] == ""
+
+
+def test_bench_cli_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    from capsctl.cli import main
+
+    args = ["bench", "mnist-cnn", "-b", "2", "--iters", "1", "--warmup", "0", "--infer"]
+    main([*args, "--csv"])
+    out, _ = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == BENCH_HEADER and len(lines) == 2 and lines[1].startswith("mnist-cnn,")
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--csv", "--json"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and "--json and --csv exclude each other" in err and out == ""
