@@ -16,6 +16,10 @@ computes every pass of every layer, as the authors' implementation does.
 
 Speed columns come from :func:`capsctl.bench.run_bench`; test accuracy from the checkpoint's
 metadata or, with ``evaluate=True``, from :func:`capsctl.engine.evaluate_checkpoint`.
+Published accuracies (:data:`PUBLISHED`) each carry their source, the table or passage and
+the setting, and a row gets one only when its configuration is the published one
+(:func:`published_result`): same architecture, classes, input, routing and T, and, for presets
+and checkpoints, the same dataset and standard test split.
 Nothing is printed: progress goes to an optional ``on_event`` callback as dicts.
 """
 
@@ -41,8 +45,11 @@ __all__ = [
     "FLOPS_NOTE",
     "CompareReport",
     "CompareRow",
+    "PUBLISHED",
+    "PublishedResult",
     "compare",
     "count_flops",
+    "published_result",
     "reference_accuracy",
     "resolve_target",
 ]
@@ -64,31 +71,94 @@ FLOPS_NOTE = (
 _CHECKPOINT_SUFFIXES = (".safetensors",)
 _PRESET_SUFFIXES = (".yaml", ".yml")
 
-_CAPS_SOURCE = "Tsai et al. 2020, authors' README, mean over runs"
-_RESNET_SOURCE = "Tsai et al. 2020, paper, approximate"
-#: Published test accuracies: (registered model, iterations T) -> accuracy.
-_CAPS_REFERENCE: dict[tuple[str, int], float] = {
-    ("cifar10-caps", 2): 0.9485,
-    ("cifar10-caps", 1): 0.9473,
-    ("cifar100-caps", 2): 0.7627,
-    ("cifar100-caps", 1): 0.7602,
-}
-# Fields that define the architecture of the published capsule nets (dropout and T aside).
-_ARCH_FIELDS = (
-    "arch",
-    "num_classes",
-    "in_channels",
-    "input_size",
-    "backbone",
-    "primary_types",
-    "primary_dim",
-    "layers",
-    "class_pose",
-    "class_pose_dim",
-    "routing",
-    "layer_norm",
-    "agreement_scale",
+_TSAI = "Tsai et al. 2020 (ICLR, arXiv 2002.04764)"
+_README_SETTING = (
+    "resnet backbone, concurrent routing, T={t}, test accuracy, mean over runs (best epoch "
+    "chosen on the test set)"
 )
+
+
+@dataclass(frozen=True)
+class PublishedResult:
+    """One published test accuracy, the configuration it was measured on, and its source.
+
+    ``model`` is the registered model whose configuration the published runs used (with
+    ``iterations`` = T for capsule nets), ``dataset`` the dataset they were trained and tested
+    on (the standard test split). ``source`` names the publication or file, ``table`` the
+    table or passage in it, ``setting`` what was run and how the number was obtained.
+    """
+
+    accuracy: float
+    model: str
+    iterations: int | None
+    dataset: str
+    source: str
+    table: str
+    setting: str
+
+    @property
+    def citation(self) -> str:
+        """``source, table: setting`` on one line."""
+        return f"{self.source}, {self.table}: {self.setting}"
+
+
+#: Every published accuracy :func:`reference_accuracy` can report.
+PUBLISHED: tuple[PublishedResult, ...] = (
+    PublishedResult(
+        0.9485,
+        "cifar10-caps",
+        2,
+        "cifar10",
+        f"{_TSAI}, authors' README",
+        "results table, CIFAR-10 row, T=2",
+        _README_SETTING.format(t=2),
+    ),
+    PublishedResult(
+        0.9473,
+        "cifar10-caps",
+        1,
+        "cifar10",
+        f"{_TSAI}, authors' README",
+        "results table, CIFAR-10 row, T=1",
+        _README_SETTING.format(t=1),
+    ),
+    PublishedResult(
+        0.7627,
+        "cifar100-caps",
+        2,
+        "cifar100",
+        f"{_TSAI}, authors' README",
+        "results table, CIFAR-100 row, T=2",
+        _README_SETTING.format(t=2),
+    ),
+    PublishedResult(
+        0.7602,
+        "cifar100-caps",
+        1,
+        "cifar100",
+        f"{_TSAI}, authors' README",
+        "results table, CIFAR-100 row, T=1",
+        _README_SETTING.format(t=1),
+    ),
+    PublishedResult(
+        0.95,
+        "resnet18",
+        None,
+        "cifar10",
+        f"{_TSAI}, paper",
+        "abstract and section 5 (CIFAR-10 and CIFAR-100)",
+        "ResNet-18 baseline (CIFAR stem) on CIFAR-10, about 95% test accuracy (approximate: "
+        "the paper states that the capsule net is at par with it)",
+    ),
+)
+
+#: Configuration fields a published capsule net result does not depend on (a regularizer
+#: that changes neither the architecture nor the parameters); every other field must match.
+_IGNORED_FIELDS = ("dropout",)
+#: The only fields the ResNet-18 builder reads.
+_RESNET_FIELDS = ("arch", "num_classes", "in_channels", "input_size")
+#: Test files that are the standard test split (``data.test_file``).
+_STANDARD_TEST_FILES = (None, "", "test", "test.npz")
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,9 +174,10 @@ class CompareRow:
     ``gflops``: per image, one forward pass of our implementation; ``gflops_all_passes``: the
     same with every routing pass computed (capsule nets only). ``accuracy``: top-1 test (or
     validation, as ``accuracy_source`` says) accuracy of a checkpoint. ``reference_accuracy``:
-    the published number for this configuration. Speed: median training step (seconds),
-    inference images per second and peak memory (device bytes on cuda, else the peak resident
-    memory of the process) from :func:`capsctl.bench.run_bench`.
+    the published number measured on this configuration (:func:`published_result`), and
+    ``reference_source`` its citation (source, table, setting). Speed: median training step
+    (seconds), inference images per second and peak memory (device bytes on cuda, else the
+    peak resident memory of the process) from :func:`capsctl.bench.run_bench`.
     """
 
     name: str
@@ -201,7 +272,7 @@ def _accepted(models: Sequence[str], presets: Sequence[str]) -> str:
     return (
         f"registered models ({', '.join(models) or 'none'}), "
         f"presets ({', '.join(presets) or 'none'}), aliases ({', '.join(ALIASES)}), "
-        "a .yaml preset file or a .safetensors checkpoint"
+        "a .yaml preset file, a .safetensors checkpoint or a model folder"
     )
 
 
@@ -240,30 +311,43 @@ def resolve_target(spec: str) -> tuple[str, str, ModelConfig, Path | None]:
     ``"model"``, ``"preset"`` or ``"checkpoint"``. A checkpoint's name is ``spec`` as given.
     Raises UsageError naming what is accepted when nothing matches.
     """
+    name, source, cfg, path, _ = _resolve(spec)
+    return name, source, cfg, path
+
+
+def _resolve(spec: str) -> tuple[str, str, ModelConfig, Path | None, str | None]:
+    """:func:`resolve_target` plus the target's dataset (:func:`_dataset_key`; None for a
+    registered model, which names no dataset)."""
     from capsctl.config import list_presets, load_preset
     from capsctl.registry import get_config, list_models
 
     text = str(spec).strip()
     if not text:
-        raise UsageError("empty model name; pass a model, preset, alias, .yaml or .safetensors")
+        raise UsageError(
+            "empty model name; pass a model, preset, alias, .yaml, .safetensors or model folder"
+        )
     path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():  # a model folder (export --format hf)
+        return text, "checkpoint", _checkpoint_config(path), path
     if path.is_file():
         if path.suffix.lower() in _PRESET_SUFFIXES:
             preset = load_preset(path)
-            return preset.name or path.stem, "preset", preset.model, None
-        return text, "checkpoint", _checkpoint_config(path), path
+            name = preset.name or path.stem
+            return name, "preset", preset.model, None, _dataset_key(preset.data)
+        cfg = _checkpoint_config(path)
+        return text, "checkpoint", cfg, path, _checkpoint_dataset(path)
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES + _PRESET_SUFFIXES:
         raise UsageError(f"{text} does not exist; check the path")
     if text in ALIASES:
         name = ALIASES[text]
-        return name, "model", get_config(name), None
+        return name, "model", get_config(name), None, None
     models = list_models()
     if text in models:
-        return text, "model", get_config(text), None
+        return text, "model", get_config(text), None, None
     presets = [n for n, _ in list_presets()]
     if text in presets:
         preset = load_preset(text)
-        return preset.name or text, "preset", preset.model, None
+        return preset.name or text, "preset", preset.model, None, _dataset_key(preset.data)
     raise UsageError(f"unknown model {text!r}; compare accepts {_accepted(models, presets)}")
 
 
@@ -305,30 +389,68 @@ def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: boo
     return counter.get_total_flops() / 2 / 1e9
 
 
-def _same_architecture(cfg: ModelConfig, name: str) -> bool:
+def _fields_match(cfg: ModelConfig, result: PublishedResult) -> bool:
     from capsctl.registry import get_config
 
-    ref = get_config(name)
-    return all(getattr(cfg, f) == getattr(ref, f) for f in _ARCH_FIELDS)
+    ref = get_config(result.model)
+    if result.iterations is not None:
+        ref = ref.replace(iterations=result.iterations)
+    if ref.arch == "resnet18":
+        names: Sequence[str] = _RESNET_FIELDS
+    else:
+        names = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in _IGNORED_FIELDS]
+    return all(getattr(cfg, n) == getattr(ref, n) for n in names)
 
 
-def reference_accuracy(cfg: ModelConfig) -> tuple[float | None, str | None]:
-    """The published test accuracy for this configuration, and its source; (None, None) if none.
+def published_result(cfg: ModelConfig, dataset: str | None = None) -> PublishedResult | None:
+    """The published result (:data:`PUBLISHED`) measured on this configuration, or None.
 
-    Matched by configuration, not by name: the resnet-backbone capsule nets of Tsai et al. 2020
-    on CIFAR-10/100 (same architecture as ``cifar10-caps`` / ``cifar100-caps``, concurrent
-    routing, T = 1 or 2) and ResNet-18 on CIFAR-10 (3x32x32 input, 10 classes).
+    Matched by configuration, not by name: every field of ``cfg`` but dropout must equal the
+    published model's configuration at the published T (ResNet-18: architecture, classes,
+    channels and input size). ``dataset`` is the dataset the row's model is trained and tested
+    on (``"cifar10"``; ``"cifar10[test-jpeg]"`` for another test file) when known; it must then
+    be the published one. ``None`` (a bare registered model) leaves it to the configuration.
     """
-    if cfg.arch == "resnet18":
-        if cfg.num_classes == 10 and cfg.in_channels == 3 and cfg.input_size == 32:
-            return 0.95, _RESNET_SOURCE
+    for result in PUBLISHED:
+        if dataset is not None and dataset != result.dataset:
+            continue
+        if _fields_match(cfg, result):
+            return result
+    return None
+
+
+def reference_accuracy(
+    cfg: ModelConfig, dataset: str | None = None
+) -> tuple[float | None, str | None]:
+    """``(accuracy, citation)`` of :func:`published_result`; ``(None, None)`` if none."""
+    result = published_result(cfg, dataset)
+    if result is None:
         return None, None
-    if cfg.arch != "capsnet":
-        return None, None
-    for (name, t), acc in _CAPS_REFERENCE.items():
-        if cfg.iterations == t and _same_architecture(cfg, name):
-            return acc, _CAPS_SOURCE
-    return None, None
+    return result.accuracy, result.citation
+
+
+def _dataset_key(data: Any) -> str | None:
+    """The dataset a preset's ``data`` section (dict or DataConfig) trains and tests on.
+
+    ``"<dataset>"`` for the standard test split, ``"<dataset>[<test file stem>]"`` for another
+    test file, None when unknown.
+    """
+    if isinstance(data, dict):
+        name, test_file = data.get("dataset"), data.get("test_file")
+    else:
+        name, test_file = getattr(data, "dataset", None), getattr(data, "test_file", None)
+    if not isinstance(name, str) or not name:
+        return None
+    if test_file in _STANDARD_TEST_FILES or not isinstance(test_file, str):
+        return name
+    return f"{name}[{test_file.removesuffix('.npz')}]"
+
+
+def _checkpoint_dataset(path: Path) -> str | None:
+    from capsctl.checkpoint import read_metadata
+
+    preset = read_metadata(path).get("preset")
+    return _dataset_key(preset.get("data")) if isinstance(preset, dict) else None
 
 
 def _checkpoint_accuracy(path: Path) -> tuple[float | None, str | None]:
@@ -420,10 +542,10 @@ def compare(
         if iters < 1:
             raise UsageError(f"--iters must be >= 1, got {iters}")
         resolve_device(device)
-    targets = [resolve_target(s) for s in specs]
+    targets = [_resolve(s) for s in specs]
 
     rows: list[CompareRow] = []
-    for index, (name, source, cfg, path) in enumerate(targets):
+    for index, (name, source, cfg, path, dataset) in enumerate(targets):
         _emit(on_event, event="compare_model", name=name, index=index, total=len(targets))
         try:
             model = build_model_from_config(cfg)
@@ -436,7 +558,7 @@ def compare(
         groups = param_groups(model)
         del model
         accuracy, accuracy_source = _checkpoint_accuracy(path) if path else (None, None)
-        ref_acc, ref_source = reference_accuracy(cfg)
+        ref_acc, ref_source = reference_accuracy(cfg, dataset)
         row = CompareRow(
             name=name,
             source=source,

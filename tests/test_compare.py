@@ -16,14 +16,17 @@ import capsctl.bench as bench
 import capsctl.engine as engine
 from capsctl.checkpoint import model_tensors, save_checkpoint
 from capsctl.compare import (
+    PUBLISHED,
     CompareReport,
     CompareRow,
     compare,
     count_flops,
+    published_result,
     reference_accuracy,
     resolve_target,
 )
 from capsctl.config import DataConfig, Preset, preset_to_dict
+from capsctl.data import DATASETS
 from capsctl.errors import CheckpointError, UsageError
 from capsctl.models import param_groups
 from capsctl.registry import build_model, get_config, resolve_config
@@ -215,30 +218,100 @@ def test_params_match_param_groups_and_known_counts(
     ]
 
 
-def test_reference_accuracies(report: tuple[CompareReport, list[dict]]) -> None:
+def test_every_published_figure_carries_its_source() -> None:
+    assert len(PUBLISHED) >= 5
+    for fig in PUBLISHED:
+        assert "Tsai et al. 2020" in fig.source and "arXiv 2002.04764" in fig.source
+        assert ("README" in fig.source) or ("paper" in fig.source)
+        assert fig.table.strip() and fig.setting.strip()
+        assert fig.source in fig.citation and fig.table in fig.citation
+        assert fig.setting in fig.citation and "\n" not in fig.citation
+        cfg = get_config(fig.model)
+        if fig.iterations is not None:
+            cfg = cfg.replace(iterations=fig.iterations)
+            assert f"T={fig.iterations}" in fig.citation
+        # the dataset is a known one and fits the model
+        info = DATASETS[fig.dataset]
+        assert (info.num_classes, info.channels, info.image_size) == (
+            cfg.num_classes,
+            cfg.in_channels,
+            cfg.input_size,
+        )
+        # the published configuration gets exactly this figure, with its citation
+        assert published_result(cfg) is fig
+        assert published_result(cfg, fig.dataset) is fig
+        assert reference_accuracy(cfg, fig.dataset) == (fig.accuracy, fig.citation)
+
+
+def test_published_rows_in_the_report(report: tuple[CompareReport, list[dict]]) -> None:
     rep, _ = report
-    caps = row(rep, "cifar10-caps")
-    assert caps.reference_accuracy == pytest.approx(0.9485)
-    assert caps.reference_source == "Tsai et al. 2020, authors' README, mean over runs"
+    for name in ("cifar10-caps", "resnet18"):
+        r = row(rep, name)
+        fig = published_result(get_config(name))
+        assert fig is not None
+        assert (r.reference_accuracy, r.reference_source) == (fig.accuracy, fig.citation)
     simple = row(rep, "cifar10-caps-simple")
     assert simple.reference_accuracy is None and simple.reference_source is None
-    resnet = row(rep, "resnet18")
-    assert resnet.reference_accuracy == pytest.approx(0.95)
-    assert "paper, approximate" in (resnet.reference_source or "")
 
-    assert reference_accuracy(get_config("cifar100-caps")) == (
-        pytest.approx(0.7627),
-        "Tsai et al. 2020, authors' README, mean over runs",
+
+def test_mismatched_configurations_get_no_published_figure() -> None:
+    caps10, caps100 = get_config("cifar10-caps"), get_config("cifar100-caps")
+    mismatched = {
+        "T=3": caps10.replace(iterations=3),
+        "cifar100 T=3": caps100.replace(iterations=3),
+        "simple backbone": get_config("cifar10-caps-simple"),
+        "simple backbone, cifar100": get_config("cifar100-caps-simple"),
+        "T=1 simple backbone": get_config("cifar10-caps-simple").replace(iterations=1),
+        "sequential routing": caps10.replace(routing="sequential"),
+        "per-class head": caps10.replace(head="per_class"),
+        "no agreement scale": caps10.replace(agreement_scale=False),
+        "no layer norm": caps10.replace(layer_norm=False),
+        "64x64 input": caps10.replace(input_size=64),
+        "one channel": caps10.replace(in_channels=1),
+        "100 classes": caps10.replace(num_classes=100),
+        "fewer primary types": caps10.replace(primary_types=16),
+        "dynamic routing": get_config("cifar10-dynamic"),
+        "EM routing": get_config("cifar10-em"),
+        "CNN": get_config("cifar10-cnn"),
+        "resnet18, 100 classes": get_config("resnet18", num_classes=100),
+        "resnet18, one channel": get_config("resnet18").replace(in_channels=1),
+        "resnet18, 64x64": get_config("resnet18").replace(input_size=64),
+        "tiny": resolve_config(TINY),
+    }
+    for what, cfg in mismatched.items():
+        assert published_result(cfg) is None, what
+        assert reference_accuracy(cfg) == (None, None), what
+    # the right configuration on another dataset or test file gets none either
+    for cfg in (caps10, get_config("resnet18")):
+        for dataset in ("cifar100", "mnist", "cifar10[test-jpeg]", "imagefolder:/data/x"):
+            assert published_result(cfg, dataset) is None, dataset
+    assert published_result(caps100, "cifar10") is None
+    # dropout is not part of the match (documented); T is
+    assert published_result(caps10.replace(dropout=0.1)) is published_result(caps10)
+    assert published_result(caps10.replace(iterations=1)) is not published_result(caps10)
+
+
+def test_presets_and_checkpoints_match_on_their_dataset(tmp_path: Path) -> None:
+    plain = tmp_path / "c10.yaml"
+    plain.write_text("model: {base: cifar10-caps}\ndata: {dataset: cifar10}\n", encoding="utf-8")
+    jpeg = tmp_path / "c10-jpeg.yaml"
+    jpeg.write_text(
+        "model: {base: cifar10-caps}\ndata: {dataset: cifar10, test_file: test-jpeg}\n",
+        encoding="utf-8",
     )
-    # matched by configuration, not by name
-    assert reference_accuracy(get_config("cifar100-caps").replace(iterations=1))[0] == 0.7602
-    assert reference_accuracy(get_config("cifar10-caps").replace(iterations=1))[0] == 0.9473
-    assert reference_accuracy(get_config("cifar10-caps").replace(dropout=0.1))[0] == 0.9485
-    assert reference_accuracy(get_config("cifar10-caps").replace(iterations=3)) == (None, None)
-    assert reference_accuracy(get_config("cifar100-caps-simple")) == (None, None)
-    assert reference_accuracy(get_config("cifar10-cnn")) == (None, None)
-    assert reference_accuracy(get_config("resnet18", num_classes=100)) == (None, None)
-    assert reference_accuracy(resolve_config(TINY)) == (None, None)
+    preset = Preset(
+        name="own",
+        model=get_config("cifar10-caps"),
+        data=DataConfig(dataset="imagefolder:/data/own", normalization="cifar10", val_size=10),
+    )
+    torch.manual_seed(0)
+    ckpt = tmp_path / "own.safetensors"
+    meta = {"preset": preset_to_dict(preset), "classes": CLASSES, "kind": "best"}
+    save_checkpoint(ckpt, model_tensors(build_model(preset.model)), meta)
+    rep = compare([str(plain), str(jpeg), str(ckpt)])
+    assert rep.rows[0].reference_accuracy is not None and rep.rows[0].reference_source
+    for r in rep.rows[1:]:
+        assert r.reference_accuracy is None and r.reference_source is None, r.name
 
 
 def test_footer_ratios(report: tuple[CompareReport, list[dict]]) -> None:
@@ -273,7 +346,8 @@ def test_to_dict_and_csv(report: tuple[CompareReport, list[dict]]) -> None:
     assert int(first["params_capsules"]) == 488_593
     assert float(first["gflops"]) == pytest.approx(rep.rows[0].gflops)
     assert first["input"] == "3x32x32"
-    assert first["reference_source"] == "Tsai et al. 2020, authors' README, mean over runs"
+    assert first["reference_source"] == rep.rows[0].reference_source
+    assert "Tsai et al. 2020" in first["reference_source"]
     assert lines[2]["routing"] == "" and lines[2]["gflops_all_passes"] == ""
 
 
