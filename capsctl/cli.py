@@ -153,12 +153,6 @@ def train_cmd(
     deterministic: Annotated[
         bool, typer.Option("--deterministic", help="Deterministic algorithms.")
     ] = False,
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            help="Data workers (batches are built on the device; kept for compatibility)."
-        ),
-    ] = None,
     amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the model.")] = False,
     resume: Annotated[
@@ -199,7 +193,6 @@ def train_cmd(
         "train.device": device,
         "data.data_dir": data_dir,
         "train.seed": seed,
-        "train.workers": workers,
     }
     flag_map.update(
         {
@@ -243,7 +236,8 @@ def train_cmd(
     if test is not None:
         render.out.print(
             f"test accuracy {render.fmt_pct(test.accuracy)} on {test.count:,} images "
-            f"({test.dataset}), top-5 {render.fmt_pct(test.top5)}, loss {test.loss:.4f}"
+            f"({test.dataset}), top-5 {render.fmt_pct(test.top5)}, "
+            f"{test.loss_name} loss {test.loss:.4f}"
         )
     render.out.print(f"time {result.seconds:.1f} s")
 
@@ -297,14 +291,22 @@ def eval_cmd(
         str | None, typer.Option("--test-file", help="Test file of an npz folder (e.g. test-jpeg).")
     ] = None,
     json_out: JsonOpt = False,
+    csv_out: Annotated[
+        bool,
+        typer.Option(
+            "--csv", help="Print one CSV row with timm's columns (model, img_size, top1, ...)."
+        ),
+    ] = False,
 ) -> None:
     """Evaluate a checkpoint: top-1/top-5, per-class accuracy, confusion matrix, loss, speed."""
     from capsctl import render
     from capsctl.engine import evaluate_checkpoint
 
+    if json_out and csv_out:
+        raise UsageError("--json and --csv exclude each other")
     if not ckpt.exists():
         raise UsageError(f"{ckpt}: no such file")
-    with render.simple_progress("eval", quiet=json_out) as on_event:
+    with render.simple_progress("eval", quiet=json_out or csv_out) as on_event:
         res, meta = evaluate_checkpoint(
             ckpt,
             data_dir=data_dir,
@@ -317,6 +319,9 @@ def eval_cmd(
     if json_out:
         render.print_json({"checkpoint": str(ckpt), "epoch": meta.get("epoch"), **res.to_dict()})
         return
+    if csv_out:
+        sys.stdout.write(render.eval_csv(str(ckpt), meta, res.to_dict()))
+        return
     render.out.print(
         f"[bold]{ckpt}[/]  epoch {meta.get('epoch')}  {res.split} split of {res.dataset}: "
         f"{res.count:,} images"
@@ -324,7 +329,7 @@ def eval_cmd(
     name = "top-1" if res.metric == "top-1" else res.metric
     render.out.print(
         f"{name} {render.fmt_pct(res.accuracy)}  top-5 {render.fmt_pct(res.top5)}  "
-        f"loss {res.loss:.4f}  {res.images_per_s:.0f} images/s"
+        f"{res.loss_name} loss {res.loss:.4f}  {res.images_per_s:.0f} images/s"
     )
     n = len(res.classes)
     if not res.confusion:  # multi-label data: per-class recall only
@@ -368,6 +373,64 @@ def eval_cmd(
 
 
 # ---------------------------------------------------------------------------------------------
+# predict
+
+
+@app.command("predict")
+def predict_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="A capsctl checkpoint.")],
+    images: Annotated[
+        list[str],
+        typer.Argument(
+            help="Image files (PNG, JPEG, BMP, GIF, WebP, TIFF; any size and mode), folders "
+            "(their image files, not recursive) or quoted glob patterns ('imgs/**/*.png')."
+        ),
+    ],
+    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Classes shown per image.")] = 5,
+    skip_bad: Annotated[
+        bool,
+        typer.Option("--skip-bad", help="Warn about unreadable or missing images and go on."),
+    ] = False,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", "-b", help="Images per forward pass.")
+    ] = 64,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Classify image files: the top-k classes and their scores per image. Images are converted
+    and resized to the checkpoint's input the way its preprocessing says."""
+    from rich.markup import escape
+
+    from capsctl import render
+    from capsctl.predict import predict_images
+
+    if not ckpt.exists():
+        raise UsageError(f"{ckpt}: no such file")
+    with render.simple_progress("predict", quiet=json_out) as on_event:
+        res = predict_images(
+            ckpt,
+            images,
+            top_k=top_k,
+            device=device,
+            skip_bad=skip_bad,
+            batch_size=batch_size,
+            on_event=on_event,
+        )
+    if json_out:
+        render.print_json(res.to_dict())
+        return
+    render.out.print(
+        f"[bold]{escape(str(ckpt))}[/]  {res.arch}, {res.num_classes} classes, "
+        f"{len(res.predictions)} image(s)"
+    )
+    render.out.print(f"preprocessing: {escape(res.preprocessing)}")
+    render.out.print(f"score: {escape(res.score_description)}")
+    render.out.print(render.predict_table(f"Top-{res.top_k} classes", res.to_dict()["images"]))
+    if res.skipped:
+        render.note(f"skipped {len(res.skipped)} file(s); see the warnings above")
+
+
+# ---------------------------------------------------------------------------------------------
 # bench
 
 
@@ -388,14 +451,23 @@ def bench_cmd(
     ] = None,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
     json_out: JsonOpt = False,
+    csv_out: Annotated[
+        bool,
+        typer.Option(
+            "--csv",
+            help="Print CSV with timm's benchmark columns (infer_samples_per_sec, ...).",
+        ),
+    ] = False,
 ) -> None:
     """Median training-step time, inference images/s and peak memory per model, in one process."""
     from capsctl import render
-    from capsctl.bench import rows_to_json, run_bench
+    from capsctl.bench import rows_to_csv, rows_to_json, run_bench
 
     if train and infer:
         raise UsageError("--train and --infer exclude each other; give neither to measure both")
-    with render.simple_progress("bench", quiet=json_out) as on_event:
+    if json_out and csv_out:
+        raise UsageError("--json and --csv exclude each other")
+    with render.simple_progress("bench", quiet=json_out or csv_out) as on_event:
         rows = run_bench(
             models,
             batch_size=batch_size,
@@ -411,6 +483,9 @@ def bench_cmd(
         )
     if json_out:
         render.print_json(rows_to_json(rows, {"iters": iters}))
+        return
+    if csv_out:
+        sys.stdout.write(rows_to_csv(rows))
         return
     ref = any(r.name == "resnet18" for r in rows)
     cols = ["model", "params", "T", "routing", "train step", "min", "infer img/s", "peak mem"]
@@ -443,6 +518,59 @@ def bench_cmd(
     render.note(
         "peak mem: resident memory of the whole process while the model ran (device memory on GPU)"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+
+
+@app.command("plot")
+def plot_cmd(
+    runs: Annotated[
+        list[Path],
+        typer.Argument(help="Run folders written by capsctl train (or their metrics.jsonl)."),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Picture to write (.png, .svg or .pdf). Default: curves.png in the run folder "
+            "for one run, in the current folder for several.",
+        ),
+    ] = None,
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--metric",
+            "-m",
+            help="What to draw (repeatable): loss, accuracy, train_loss, val_loss, "
+            "train_accuracy, val_accuracy, val_top5, lr, images_per_s, epoch_seconds. "
+            "Default: loss, accuracy, lr.",
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Training curves (loss, accuracy, learning rate per epoch) of one or several runs."""
+    from capsctl import render
+    from capsctl.curves import CURVES_FILE, metrics_path, plot_runs, resolve_metrics
+
+    keys = resolve_metrics(metric)
+    if out is None:
+        out = metrics_path(runs[0]).parent / CURVES_FILE if len(runs) == 1 else Path(CURVES_FILE)
+    read: list[dict[str, Any]] = []
+    path = plot_runs(runs, out, keys, on_event=read.append)
+    if json_out:
+        render.print_json(
+            {
+                "out": str(path),
+                "metrics": keys,
+                "runs": [{k: e[k] for k in ("name", "path", "epochs")} for e in read],
+            }
+        )
+        return
+    epochs = ", ".join(f"{e['name']} {e['epochs']} epochs" for e in read)
+    render.out.print(f"wrote {path}  ({', '.join(keys)}; {epochs})", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,7 +679,15 @@ def compare_cmd(
 @app.command("export")
 def export_cmd(
     ckpt: Annotated[Path, typer.Argument(help="A capsctl .safetensors checkpoint.")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="onnx, pt2 or safetensors.")] = "onnx",
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="onnx, pt2, safetensors, or hf (a model folder: model.safetensors, config.json "
+            "and a README.md model card).",
+        ),
+    ] = "onnx",
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output file (default: beside CKPT).")
     ] = None,
@@ -570,8 +706,9 @@ def export_cmd(
     ] = 1e-4,
     json_out: JsonOpt = False,
 ) -> None:
-    """Export to ONNX (self-contained, dynamic batch), torch.export (.pt2) or a weights-only
-    safetensors    release, checked against eager PyTorch; writes a JSON sidecar."""
+    """Export to ONNX (self-contained, dynamic batch), torch.export (.pt2), a weights-only
+    safetensors release (with a JSON sidecar) or a Hugging Face-style model folder (hf: --out
+    is the folder), each checked against eager PyTorch. CKPT may itself be a model folder."""
     from capsctl import render
     from capsctl.checkpoint import read_metadata
     from capsctl.engine import sample_images
@@ -605,6 +742,15 @@ def export_cmd(
         render.print_json(res.to_dict())
         return
     diff = "-" if res.max_abs_diff is None else f"{res.max_abs_diff:.2e}"
+    if res.format == "hf":
+        render.out.print(
+            f"wrote model folder {res.path} ({', '.join(res.files)}; "
+            f"{render.fmt_bytes(res.size_bytes)})"
+        )
+        render.out.print(
+            f"max |folder - checkpoint| = {diff} on {res.checked_on} (must be identical)"
+        )
+        return
     render.out.print(f"wrote {res.path} ({render.fmt_bytes(res.size_bytes)}) and {res.sidecar}")
     render.out.print(
         f"max |exported - eager| = {diff} on {res.checked_on} (tolerance {tolerance:g})"
@@ -792,7 +938,13 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: one-line errors on stderr, exit code 1 (usage 2); --debug shows tracebacks."""
     debug_flag = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        app(args=argv, standalone_mode=False)
+        # Outside standalone mode Typer returns the exit code of a typer.Exit, and turns Ctrl-C
+        # (a KeyboardInterrupt before training has installed its own handler) into Exit(130).
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:
+            print("interrupted", file=sys.stderr)
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            sys.exit(code)
     except CapsctlError as e:
         if _state["debug"] or debug_flag:
             raise

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import yaml
 
@@ -166,6 +166,10 @@ class TrainConfig:
     ``steps_per_epoch`` caps the batches per epoch (smoke tests, quick runs).
     """
 
+    # Keys that older versions wrote and that are ignored when read: ``workers`` never had an
+    # effect (batches are gathered and augmented on the device inside the training process).
+    RETIRED_FIELDS: ClassVar[tuple[str, ...]] = ("workers",)
+
     epochs: int = 350
     batch_size: int = 128
     eval_batch_size: int = 100
@@ -187,7 +191,6 @@ class TrainConfig:
     compile: bool = False
     seed: int = 0
     deterministic: bool = False
-    workers: int = 0
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     sync_bn: bool = False
     time_limit: float | None = None
@@ -241,7 +244,6 @@ class TrainConfig:
                 f"must be in (0, 1) (null disables EMA), got {self.ema_decay}",
             )
         _check(0 <= self.seed < 2**32, at("seed"), f"must be in [0, 2**32), got {self.seed}")
-        _check(self.workers >= 0, at("workers"), f"must be >= 0, got {self.workers}")
         if self.time_limit is not None:
             _check(
                 self.time_limit > 0,
@@ -257,6 +259,19 @@ class TrainConfig:
 
 
 @dataclass
+class LogConfig:
+    """What a run records besides its run folder's own files.
+
+    ``tensorboard``: also write the per-epoch scalars as TensorBoard event files into the run
+    folder (needs ``pip install 'capsctl[tensorboard]'``). ``curves``: draw ``curves.png`` into
+    the run folder at the end (skipped without matplotlib).
+    """
+
+    tensorboard: bool = False
+    curves: bool = True
+
+
+@dataclass
 class Preset:
     """A complete, validated experiment description."""
 
@@ -265,6 +280,7 @@ class Preset:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 def _validate_layer(spec: CapsLayerSpec, path: str) -> None:
@@ -454,6 +470,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, Mapping):
         raise _type_error(path or "top level", "a mapping", data)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    retired = getattr(cls, "RETIRED_FIELDS", ())
+    data = {k: v for k, v in data.items() if k not in retired}
     for key in data:
         if not isinstance(key, str) or key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)

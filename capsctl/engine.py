@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,8 @@ LAST = "last.safetensors"
 BEST = "best.safetensors"
 METRICS = "metrics.jsonl"
 RESOLVED_PRESET = "preset.yaml"
+RESULTS = "results.json"
+CURVES = "curves.png"
 
 
 def _emit(on_event: EventFn, event: str, **fields: Any) -> None:
@@ -143,6 +146,7 @@ class EvalResult:
     images_per_s: float
     seconds: float
     metric: str = "top-1"
+    loss_name: str = "cross_entropy"  # the model's own training loss: cross_entropy, bce, ...
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -160,15 +164,22 @@ def evaluate(
     classes: list[str],
     split: str = "test",
     amp: bool = False,
+    loss: EvalLoss | None = None,
     on_event: EventFn = None,
 ) -> EvalResult:
-    """Top-1/top-5 accuracy, loss, per-class accuracy and confusion matrix over ``ds``."""
+    """Top-1/top-5 accuracy, loss, per-class accuracy and confusion matrix over ``ds``.
+
+    ``loss`` is the model's own loss as ``(name, fn(outputs, labels) -> batch mean)`` (see
+    :func:`eval_loss`); by default cross-entropy, or binary cross-entropy for multi-label data.
+    """
     from capsctl.data import Loader
 
     loader = Loader(ds, batch_size, shuffle=False, device=device, mean=mean, std=std)
     model.eval()
     n_cls = len(classes)
-    if ds.labels.dim() == 2:
+    multi_label = ds.labels.dim() == 2
+    loss_name, loss_fn = loss or _default_eval_loss(multi_label, n_cls)
+    if multi_label:
         return _evaluate_multi_label(
             model,
             loader,
@@ -177,6 +188,7 @@ def evaluate(
             classes=classes,
             split=split,
             amp=amp,
+            loss=(loss_name, loss_fn),
             on_event=on_event,
         )
     confusion = torch.zeros(n_cls, n_cls, dtype=torch.int64)
@@ -186,7 +198,7 @@ def evaluate(
         with _autocast(device, amp):
             logits = model(x)
         logits = logits.float()
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        loss_sum += float(loss_fn(logits, y)) * int(y.shape[0])
         pred = logits.argmax(1)
         k = min(5, n_cls)
         top5_hits += int((logits.topk(k, 1).indices == y[:, None]).any(1).sum())
@@ -212,6 +224,7 @@ def evaluate(
         classes=list(classes),
         images_per_s=count / max(seconds, 1e-9),
         seconds=seconds,
+        loss_name=loss_name,
     )
 
 
@@ -224,15 +237,17 @@ def _evaluate_multi_label(
     classes: list[str],
     split: str,
     amp: bool,
+    loss: EvalLoss,
     on_event: EventFn,
 ) -> EvalResult:
     """Multi-label data (DiverseMultiMNIST): the paper's metric — for two digits the top-2
     classes equal the two labels, for one digit the top-1 class equals it. ``per_class`` is the
     recall of each class (share of its appearances found among the top-k, k = digits in the
-    image); ``top5``: share of images whose labels are all among the top 5; loss: binary
-    cross-entropy per class."""
+    image); ``top5``: share of images whose labels are all among the top 5; loss: the model's
+    own loss (binary cross-entropy per class by default)."""
     from capsctl.data.multimnist import multi_hot, top2_correct
 
+    loss_name, loss_fn = loss
     n_cls = len(classes)
     hits = torch.zeros(n_cls, dtype=torch.int64)
     seen = torch.zeros(n_cls, dtype=torch.int64)
@@ -243,9 +258,7 @@ def _evaluate_multi_label(
             logits = model(x)
         logits = logits.float()
         target = multi_hot(y, n_cls)
-        loss_sum += (
-            float(F.binary_cross_entropy_with_logits(logits, target, reduction="sum")) / n_cls
-        )
+        loss_sum += float(loss_fn(logits, y)) * int(y.shape[0])
         correct += int(top2_correct(logits, y).sum())
         k = (y >= 0).sum(1)  # digits per image
         top2 = logits.topk(2, 1).indices
@@ -272,7 +285,50 @@ def _evaluate_multi_label(
         images_per_s=count / max(seconds, 1e-9),
         seconds=seconds,
         metric="top-2 exact match (DiverseMultiMNIST)",
+        loss_name=loss_name,
     )
+
+
+EvalLoss = tuple[str, Callable[[Tensor, Tensor], Tensor]]
+
+
+def loss_name(preset: Preset, multi_label: bool) -> str:
+    """The loss a preset trains with: ``train.loss``, where ``auto`` means the model's own loss
+    (margin for dynamic routing, spread for EM routing, else cross-entropy, or binary
+    cross-entropy for multi-label data)."""
+    kind = preset.train.loss
+    if kind != "auto":
+        return kind
+    if preset.model.arch == "capsnet-dynamic":
+        return "margin"
+    if preset.model.arch == "capsnet-em":
+        return "spread"
+    return "bce" if multi_label else "cross_entropy"
+
+
+def _default_eval_loss(multi_label: bool, num_classes: int) -> EvalLoss:
+    from capsctl.data.multimnist import multi_hot
+
+    if multi_label:
+        return "bce", lambda out, y: F.binary_cross_entropy_with_logits(
+            out, multi_hot(y, num_classes)
+        )
+    return "cross_entropy", lambda out, y: F.cross_entropy(out, y)
+
+
+def eval_loss(preset: Preset, multi_label: bool, num_classes: int) -> EvalLoss:
+    """The model's own training loss for reporting: ``(name, fn(outputs, labels))``.
+
+    Dynamic-routing models output capsule lengths and EM models class activations, not
+    logits, so their loss is the margin or spread loss they train with (spread at its final
+    margin, 0.9), never a cross-entropy on those outputs. Label smoothing is left out.
+    """
+    name = loss_name(preset, multi_label)
+    unsmoothed = dataclasses.replace(
+        preset, train=dataclasses.replace(preset.train, label_smoothing=0.0)
+    )
+    fn = make_loss(unsmoothed, multi_label, num_classes)
+    return name, lambda out, y: fn(out, y, 1.0)
 
 
 def make_loss(
@@ -280,16 +336,15 @@ def make_loss(
 ) -> Callable[[Tensor, Tensor, float], Tensor]:
     """``loss(logits, y, progress)``; ``progress`` in [0, 1] is the share of training done.
 
-    ``auto``: cross-entropy (with label smoothing) for one label per image, binary
-    cross-entropy per class for multi-label data. ``margin``: Sabour et al.'s margin loss on the
-    model's outputs (capsule lengths). ``spread``: Hinton et al.'s spread loss on class
-    activations, margin rising linearly from 0.2 to 0.9 over the first half of training.
+    The loss is :func:`loss_name`'s: ``cross_entropy`` (with label smoothing) for one label per
+    image, ``bce`` (binary cross-entropy per class) for multi-label data, ``margin``: Sabour et
+    al.'s margin loss on the model's outputs (capsule lengths), ``spread``: Hinton et al.'s
+    spread loss on class activations, margin rising linearly from 0.2 to 0.9 over the first
+    half of training.
     """
     from capsctl.data.multimnist import multi_hot
 
-    kind = preset.train.loss
-    if kind == "auto":
-        kind = "bce" if multi_label else "cross_entropy"
+    kind = loss_name(preset, multi_label)
     smoothing = preset.train.label_smoothing
     if kind == "cross_entropy":
         if multi_label:
@@ -369,6 +424,7 @@ def evaluate_checkpoint(
         std=data.std,
         classes=data.classes,
         split=split,
+        loss=eval_loss(preset, ds.labels.dim() == 2, len(data.classes)),
         on_event=on_event,
     )
     return result, meta
@@ -543,9 +599,10 @@ def _check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             "--overwrite to replace it, or choose another --out"
         )
     if holds_run and overwrite and not resume:
-        for f in (LAST, BEST, METRICS, RESOLVED_PRESET):
+        old_files = [out / f for f in (LAST, BEST, METRICS, RESOLVED_PRESET, RESULTS, CURVES)]
+        for f in old_files + sorted(out.glob("events.out.tfevents.*")):
             with contextlib.suppress(FileNotFoundError):
-                (out / f).unlink()
+                f.unlink()
 
 
 def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
@@ -567,6 +624,81 @@ def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
 def load_resume_preset(path: str | Path) -> Preset:
     """The preset stored in a checkpoint (for ``--resume``)."""
     return _preset_from_meta(read_metadata(path), Path(path))
+
+
+# Fields a resumed run may change: how long it runs, where and how fast it computes, what it
+# logs and which files hold the data. Everything else shapes the data split, the order of the
+# batches, the optimizer's trajectory or the model, and is refused on resume.
+RESUME_MAY_CHANGE = (
+    "name",
+    "description",
+    "train.epochs",
+    "train.time_limit",
+    "train.device",
+    "train.eval_batch_size",
+    "train.amp",
+    "train.compile",
+    "train.channels_last",
+    "train.deterministic",
+    "train.ema_decay",
+    "data.data_dir",
+    "data.download",
+    "data.test_file",
+    "log.",
+)
+
+_RESUME_REFUSED_WHY = (
+    (
+        "train.seed",
+        "it drew the validation split and the batch order; a new seed would put "
+        "trained images into validation",
+    ),
+    ("train.batch_size", "the step-based LR schedule and the mid-epoch position depend on it"),
+    ("train.steps_per_epoch", "the step-based LR schedule and the mid-epoch position depend on it"),
+    ("data.", "the training and validation images depend on it"),
+    ("model.", "the checkpoint's weights belong to the stored model"),
+    ("train.", "the run's optimizer state and LR schedule depend on it"),
+)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    flat: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            flat.update(_flatten(v, key))
+        else:
+            flat[key] = v
+    return flat
+
+
+def resume_changes(stored: Preset, new: Preset) -> list[dict[str, Any]]:
+    """The fields ``new`` changes in a run stored with ``stored``, as ``{field, old, new}``.
+
+    Raises :class:`UsageError` naming the first field that may not change on resume and why
+    (see :data:`RESUME_MAY_CHANGE`).
+    """
+    old_flat = _flatten(preset_to_dict(stored))
+    new_flat = _flatten(preset_to_dict(new))
+    changes = []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        a, b = old_flat.get(key), new_flat.get(key)
+        if a == b:
+            continue
+        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in RESUME_MAY_CHANGE):
+            changes.append({"field": key, "old": a, "new": b})
+            continue
+        why = next(
+            (w for prefix, w in _RESUME_REFUSED_WHY if key.startswith(prefix)),
+            "it is part of the run's recipe",
+        )
+        raise UsageError(
+            f"{key}: cannot change on resume ({a!r} -> {b!r}): {why}; drop the override or "
+            "start a new run"
+        )
+    return changes
 
 
 def fit(
@@ -627,6 +759,10 @@ def _fit(
             f"train.batch_size: {t.batch_size} is the global batch and must be divisible by the "
             f"{dist.world_size} processes"
         )
+    changes: list[dict[str, Any]] = []
+    if resume is not None:  # refuse a changed recipe before any work
+        meta = read_metadata(resume)
+        changes = resume_changes(_preset_from_meta(meta, Path(resume)), preset)
     seed_everything(t.seed, t.deterministic)
     data = prepare_data(preset, on_event)
     _emit(
@@ -673,6 +809,7 @@ def _fit(
     )
     ema = EMA(model, t.ema_decay) if t.ema_decay else None
     loss_fn = make_loss(preset, data.train.labels.dim() == 2, len(data.classes))
+    own_loss = eval_loss(preset, data.train.labels.dim() == 2, len(data.classes))
     total_steps = max(1, t.epochs * steps_per_epoch)
     step_fn: nn.Module = dist.wrap(model)
     if t.compile:
@@ -683,7 +820,6 @@ def _fit(
     history: list[dict[str, Any]] = []
     if resume is not None:
         tensors = load_tensors(resume)
-        meta = read_metadata(resume)
         state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         try:
             model.load_state_dict(state)
@@ -695,17 +831,22 @@ def _fit(
         optimizer.load_state_dict(opt_state)
         if sched_state is not None:
             scheduler.load_state_dict(sched_state)
-        if ema is not None and ema_state is not None:
-            ema.load_state_dict(ema_state)
+        if ema is not None:
+            # EMA switched on at resume starts from the resumed weights, not the initial ones.
+            ema = EMA(model, ema.decay)
+            if ema_state is not None:
+                ema.load_state_dict(ema_state)
         restore_rng_state(rng)
         start_epoch = int(meta.get("epoch", 0))
         partial = meta.get("partial")
         best = meta.get("best") or {}
-        best_acc = float(best.get("val_accuracy", -1.0))
+        # No best epoch yet (Ctrl-C before the first validation) or no validation split: null.
+        stored_acc = best.get("val_accuracy")
+        best_acc = float(stored_acc) if stored_acc is not None else -1.0
         best_epoch = best.get("epoch")
         if dist.is_main:
             history = _truncate_metrics(out / METRICS, start_epoch)
-        _emit(on_event, "resume", path=str(resume), epoch=start_epoch)
+        _emit(on_event, "resume", path=str(resume), epoch=start_epoch, changes=changes)
 
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -766,6 +907,7 @@ def _fit(
                 classes=data.classes,
                 split="val",
                 amp=t.amp,
+                loss=own_loss,
             )
             record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
             improved = ev.accuracy > best_acc
@@ -781,15 +923,22 @@ def _fit(
             )
         record["best"] = improved
         history.append(record)
+        if tensorboard is not None:
+            tensorboard.log_epoch(record)
         write_text_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in history))
         save_last(int(record["epoch"]), record)
         _emit(on_event, "epoch_end", **record, epochs=t.epochs)
         return best_acc, best_epoch
 
+    tensorboard = None
+    if dist.is_main and preset.log.tensorboard:
+        from capsctl.curves import TensorBoardLogger
+
+        tensorboard = TensorBoardLogger(out, resume_epoch=start_epoch)
     interrupted = False
     epoch = start_epoch
     ctx = _sigint_as_flag() if handle_sigint else contextlib.nullcontext({"stop": False})
-    with ctx as flag:
+    with ctx as flag, tensorboard or contextlib.nullcontext():
         for epoch in range(start_epoch, t.epochs):
             model.train()
             train_loader.set_epoch(epoch)
@@ -920,6 +1069,7 @@ def _fit(
             classes=data.classes,
             split="test",
             amp=t.amp,
+            loss=own_loss,
         )
         best_meta["test"] = {
             k: v for k, v in test_result.to_dict().items() if k not in ("confusion",)
@@ -940,8 +1090,24 @@ def _fit(
         history,
     )
     if dist.is_main:
-        write_text_atomic(out / "results.json", json.dumps(result.to_dict(), indent=2))
+        write_text_atomic(out / RESULTS, json.dumps(result.to_dict(), indent=2))
+        if preset.log.curves:
+            _draw_curves(out, on_event)
     return result
+
+
+def _draw_curves(out: Path, on_event: EventFn) -> None:
+    """``curves.png`` in the run folder when matplotlib is present; a drawing problem is a
+    warning, never a failed run."""
+    from capsctl.curves import write_run_curves
+
+    try:
+        path = write_run_curves(out)
+    except CapsctlError as e:
+        _emit(on_event, "warning", message=f"curves.png not written: {e}")
+        return
+    if path is not None:
+        _emit(on_event, "curves", path=str(path))
 
 
 def _sched_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
@@ -1074,7 +1240,9 @@ def sample_images(
     if len(mean) != channels:
         mean, std = mean[:1] * channels, std[:1] * channels
     if files:
-        raw = torch.stack([_read_image_file(f, channels, size) for f in files])
+        from capsctl.data.images import read_image_file
+
+        raw = torch.stack([read_image_file(f, channels, size) for f in files])
         return SampleImages(_normalize(raw, mean, std), raw, None, f"{len(files)} image file(s)")
     if random is not None:
         g = torch.Generator().manual_seed(seed)
@@ -1114,24 +1282,3 @@ def sample_images(
         f"{len(idx)} {split} images of {ds.name} "
         f"(indices {idx[:8]}{'...' if len(idx) > 8 else ''})",
     )
-
-
-def _read_image_file(path: Path, channels: int, size: int) -> Tensor:
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.functional import center_crop, resize
-
-    if not path.exists():
-        raise UsageError(f"{path}: no such image file")
-    try:
-        img = decode_image(
-            str(path), mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
-        )
-    except Exception as e:  # torchvision raises RuntimeError for unreadable files
-        raise CapsctlError(
-            f"{path}: cannot read this image ({str(e)[:80]}); use a PNG or JPEG file"
-        ) from None
-    h, w = img.shape[-2:]
-    if (h, w) != (size, size):
-        img = resize(img, [size], antialias=True)
-        img = center_crop(img, [size, size])
-    return img

@@ -157,6 +157,10 @@ class TrainProgress:
             )
         elif kind == "resume" and not self.quiet:
             self.progress.console.print(f"resuming from {e['path']} after epoch {e['epoch']}")
+            for c in e.get("changes") or []:
+                self.progress.console.print(
+                    f"  changed on resume: {c['field']} {c['old']!r} -> {c['new']!r}"
+                )
         elif kind == "download" and not self.quiet:
             if self.task is None:
                 self.task = self.progress.add_task(
@@ -194,3 +198,97 @@ def simple_progress(description: str, quiet: bool = False) -> Iterator[Any]:
 
     with progress:
         yield on_event
+
+
+#: ``capsctl eval --csv`` columns: timm's validation results (``model`` ... ``param_count``,
+#: accuracies in percent, parameters in millions), then capsctl's own.
+EVAL_CSV_COLUMNS = (
+    "model",
+    "img_size",
+    "top1",
+    "top1_err",
+    "top5",
+    "top5_err",
+    "param_count",
+    "checkpoint",
+    "epoch",
+    "split",
+    "dataset",
+    "count",
+    "loss",
+    "loss_name",
+    "metric",
+    "images_per_s",
+    "params",
+)
+
+
+def eval_csv(checkpoint: str, meta: dict[str, Any], result: dict[str, Any]) -> str:
+    """A header line and one row for an evaluation (``EvalResult.to_dict()`` and its metadata).
+
+    ``model`` is the checkpoint's preset name (else the file's stem), ``img_size`` the input
+    side, ``top1``/``top5`` percent with ``*_err`` = 100 - value, ``param_count`` millions
+    (2 decimals, as timm writes it) and ``params`` the exact count; empty cells for unknowns.
+    """
+    import csv
+    import io
+    from pathlib import Path
+
+    preset = meta.get("preset") if isinstance(meta.get("preset"), dict) else {}
+    model_cfg = preset.get("model") if isinstance(preset.get("model"), dict) else {}
+    params = meta.get("params") if isinstance(meta.get("params"), dict) else {}
+    total = params.get("total")
+    top1 = 100.0 * float(result["accuracy"])
+    top5 = 100.0 * float(result["top5"])
+    row = {
+        "model": preset.get("name") or Path(checkpoint).stem,
+        "img_size": meta.get("input_size") or model_cfg.get("input_size"),
+        "top1": round(top1, 4),
+        "top1_err": round(100.0 - top1, 4),
+        "top5": round(top5, 4),
+        "top5_err": round(100.0 - top5, 4),
+        "param_count": round(total / 1e6, 2) if isinstance(total, int) else None,
+        "checkpoint": checkpoint,
+        "epoch": meta.get("epoch"),
+        "split": result.get("split"),
+        "dataset": result.get("dataset"),
+        "count": result.get("count"),
+        "loss": round(float(result["loss"]), 6),
+        "loss_name": result.get("loss_name"),
+        "metric": result.get("metric"),
+        "images_per_s": round(float(result["images_per_s"]), 2),
+        "params": total,
+    }
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(EVAL_CSV_COLUMNS)
+    writer.writerow(["" if row[c] is None else row[c] for c in EVAL_CSV_COLUMNS])
+    return buf.getvalue()
+
+
+def predict_table(title: str, predictions: Sequence[dict[str, Any]]) -> Table:
+    """``capsctl predict``: one group of rows per image (its top-k classes, best first).
+
+    ``predictions``: the ``images`` entries of ``PredictResult.to_dict()``.
+    """
+    from rich.markup import escape
+
+    t = Table(title=title, title_justify="left", header_style="bold")
+    t.add_column("image", no_wrap=True, overflow="fold")
+    t.add_column("#", justify="right", no_wrap=True)
+    t.add_column("class", no_wrap=True, overflow="fold")
+    t.add_column("score", justify="right", no_wrap=True)
+    t.add_column("input", overflow="fold")
+    for i, p in enumerate(predictions):
+        for rank, top in enumerate(p["top"], 1):
+            first = rank == 1
+            name = escape(str(top["class"]))
+            t.add_row(
+                escape(str(p["path"])) if first else "",
+                str(rank),
+                f"[bold]{name}[/]" if first else name,
+                f"{100 * top['score']:.1f}%",
+                escape(str(p["input"])) if first else "",
+                end_section=rank == len(p["top"]) and i < len(predictions) - 1,
+            )
+    return t

@@ -15,3 +15,12 @@ def data_root() -> Path:
     if not value or not Path(value).is_dir():
         pytest.skip("CAPSCTL_DATA not set or its folder is missing")
     return Path(value)
+
+
+@pytest.fixture(autouse=True)
+def _run_in_an_empty_folder(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test runs in a fresh empty working folder: nothing a test writes by default (such
+    as ``runs/<preset>``) lands in the checkout, and nothing left there can change a result."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))

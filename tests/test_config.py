@@ -464,7 +464,6 @@ train_configs = st.builds(
     compile=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
     deterministic=st.booleans(),
-    workers=st.integers(0, 64),
     device=st.sampled_from(["auto", "cpu", "cuda", "mps"]),
     time_limit=st.none() | positive,
     steps_per_epoch=st.none() | st.integers(1, 10**6),
