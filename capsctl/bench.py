@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from capsctl.devices import resolve_device
 from capsctl.errors import UsageError
-from capsctl.models import param_groups
+from capsctl.models import parameter_counts
 from capsctl.models.spec import ModelConfig
 from capsctl.registry import build_model, resolve_config
 
@@ -49,7 +50,6 @@ __all__ = [
     "RssSampler",
     "add_ratios",
     "current_rss_bytes",
-    "resolve_device",
     "rows_to_csv",
     "rows_to_json",
     "run_bench",
@@ -206,33 +206,6 @@ def release_memory() -> None:
 # --------------------------------------------------------------------------------------------
 # Devices, specs
 # --------------------------------------------------------------------------------------------
-
-
-def resolve_device(device: str) -> torch.device:
-    """``cpu``, ``cuda[:N]``, ``mps`` or ``auto`` -> a usable device; UsageError otherwise."""
-    name = device.strip().lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"unknown device {device!r}; use cpu, cuda, mps or auto") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("device 'cuda' is not available here; use --device cpu or auto")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(
-                f"device {device!r} does not exist ({torch.cuda.device_count()} cuda device(s))"
-            )
-        return dev
-    if dev.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise UsageError("device 'mps' is not available here; use --device cpu or auto")
-        return dev
-    raise UsageError(f"unknown device {device!r}; use cpu, cuda, mps or auto")
 
 
 def _label_and_config(spec: ModelSpec) -> tuple[str, ModelConfig]:
@@ -399,7 +372,7 @@ def _measure(
     return BenchRow(
         name=label,
         arch=cfg.arch,
-        params=int(param_groups(model)["total"]),
+        params=int(parameter_counts(model)["total"]),
         batch_size=batch_size,
         device=str(dev),
         iterations=caps_iterations,

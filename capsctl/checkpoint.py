@@ -350,6 +350,16 @@ def load_tensors(
         ) from None
 
 
+def stored_preset(metadata: Mapping[str, Any], path: str | os.PathLike[str]) -> Any:
+    """The resolved :class:`~capsctl.config.Preset` a checkpoint was trained with."""
+    from capsctl.config import preset_from_dict
+
+    try:
+        return preset_from_dict(metadata["preset"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: its stored preset is unusable ({e})") from None
+
+
 def model_config(path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None) -> Any:
     """The :class:`~capsctl.models.spec.ModelConfig` stored in a checkpoint (no tensor is read)."""
     from capsctl.config import from_dict

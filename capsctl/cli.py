@@ -63,14 +63,14 @@ def models_cmd(
 ) -> None:
     """List registered models with their parameter counts."""
     from capsctl import render
-    from capsctl.models import build_model_from_config, param_groups
+    from capsctl.models import build_model_from_config, parameter_counts
     from capsctl.models.capsnet import describe
     from capsctl.registry import describe_model, get_config, list_models
 
     rows = []
     for name in list_models(pattern):
         cfg = get_config(name)
-        groups = param_groups(build_model_from_config(cfg))
+        groups = parameter_counts(build_model_from_config(cfg))
         arch = describe(cfg) if cfg.arch == "capsnet" else cfg.arch
         rows.append(
             {
@@ -711,7 +711,7 @@ def export_cmd(
     is the folder), each checked against eager PyTorch. CKPT may itself be a model folder."""
     from capsctl import render
     from capsctl.checkpoint import read_metadata
-    from capsctl.engine import sample_images
+    from capsctl.data.samples import sample_images
     from capsctl.errors import DataError
     from capsctl.export import export_checkpoint
 
@@ -820,7 +820,7 @@ def inspect_cmd(
     which child capsules carry the prediction."""
     from capsctl import render
     from capsctl.checkpoint import load_checkpoint
-    from capsctl.engine import sample_images
+    from capsctl.data.samples import sample_images
     from capsctl.inspect_routing import inspect_routing, write_pngs
 
     if not ckpt.exists():

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from capsctl.errors import ConfigError, UsageError
-from capsctl.models import build_model_from_config, param_groups
+from capsctl.models import build_model_from_config, parameter_counts
 from capsctl.models.spec import ModelConfig
 
 __all__ = [
@@ -520,7 +520,7 @@ def compare(
 ) -> CompareReport:
     """Compare the given targets (see :func:`resolve_target`); one row per target, in order.
 
-    Always: parameters (:func:`capsctl.models.param_groups`), GFLOPs per image
+    Always: parameters (:func:`capsctl.models.parameter_counts`), GFLOPs per image
     (:func:`count_flops`, on the CPU), routing, the checkpoint's stored accuracy (test if the
     checkpoint has it, else validation) and the published reference accuracy.
     ``speed=True`` adds :func:`capsctl.bench.run_bench` measurements (``batch_size``, ``iters``
@@ -535,7 +535,7 @@ def compare(
     if not specs:
         raise UsageError("nothing to compare; pass at least one model, preset or checkpoint")
     if speed:
-        from capsctl.bench import resolve_device
+        from capsctl.devices import resolve_device
 
         if batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
@@ -555,7 +555,7 @@ def compare(
         caps = cfg.arch == "capsnet"
         gflops = count_flops(model, shape)
         all_passes = count_flops(model, shape, all_passes=True) if caps else None
-        groups = param_groups(model)
+        groups = parameter_counts(model)
         del model
         accuracy, accuracy_source = _checkpoint_accuracy(path) if path else (None, None)
         ref_acc, ref_source = reference_accuracy(cfg, dataset)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from capsctl import __version__
@@ -36,10 +34,14 @@ from capsctl.checkpoint import (
     read_metadata,
     restore_rng_state,
     save_checkpoint,
+    stored_preset,
     unpack_training_state,
 )
-from capsctl.config import Preset, dump_yaml, preset_from_dict, preset_to_dict
+from capsctl.config import Preset, dump_yaml, preset_to_dict
+from capsctl.data.prepare import prepare_data
+from capsctl.devices import resolve_device
 from capsctl.errors import CapsctlError, CheckpointError, ConfigError, UsageError
+from capsctl.losses import EvalLoss, count_correct, default_eval_loss, eval_loss, make_loss
 
 Event = dict[str, Any]
 EventFn = Callable[[Event], None] | None
@@ -57,75 +59,8 @@ def _emit(on_event: EventFn, event: str, **fields: Any) -> None:
         on_event({"event": event, **fields})
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda, then mps, then cpu. An unavailable device is a usage error."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UsageError("--device mps: no MPS device is available here; use --device cpu")
-    if name not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name}: expected auto, cpu, cuda or mps")
-    return torch.device(name)
-
-
 # ---------------------------------------------------------------------------------------------
 # Data
-
-
-@dataclass
-class RunData:
-    train: Any  # ArrayDataset
-    val: Any | None
-    test: Any
-    classes: list[str]
-    mean: list[float]
-    std: list[float]
-    fingerprint: str
-    test_name: str
-
-
-def prepare_data(preset: Preset, on_event: EventFn = None, *, need_train: bool = True) -> RunData:
-    """Load the preset's dataset, hold out the seeded validation split, keep test apart."""
-    from capsctl.data import fingerprint, load_dataset, normalization_for, split_train_val
-
-    d = preset.data
-    full = load_dataset(d.dataset, "train", d.data_dir, download=d.download, on_event=on_event)
-    test = load_dataset(
-        d.dataset, "test", d.data_dir, test_file=d.test_file, download=d.download, on_event=on_event
-    )
-    if d.val_size >= len(full):
-        raise ConfigError(
-            f"data.val_size: {d.val_size} leaves no training images (train has {len(full)})"
-        )
-    if d.val_size > 0:
-        train, val = split_train_val(full, d.val_size, preset.train.seed)
-    else:
-        train, val = full, None
-    channels = int(full.images.shape[1])
-    mean, std = normalization_for(d.normalization, channels)
-    m = preset.model
-    size = int(full.images.shape[-1])
-    if channels != m.in_channels:
-        raise ConfigError(
-            f"model.in_channels: {m.in_channels}, but {d.dataset} images have {channels} channels"
-        )
-    if size != m.input_size:
-        raise ConfigError(
-            f"model.input_size: {m.input_size}, but {d.dataset} images are {size}x{size}"
-        )
-    if len(full.classes) != m.num_classes:
-        raise ConfigError(
-            f"model.num_classes: {m.num_classes}, but {d.dataset} has {len(full.classes)} classes"
-        )
-    return RunData(
-        train, val, test, list(full.classes), list(mean), list(std), fingerprint(full), test.name
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +113,7 @@ def evaluate(
     model.eval()
     n_cls = len(classes)
     multi_label = ds.labels.dim() == 2
-    loss_name, loss_fn = loss or _default_eval_loss(multi_label, n_cls)
+    loss_name, loss_fn = loss or default_eval_loss(multi_label, n_cls)
     if multi_label:
         return _evaluate_multi_label(
             model,
@@ -245,7 +180,7 @@ def _evaluate_multi_label(
     recall of each class (share of its appearances found among the top-k, k = digits in the
     image); ``top5``: share of images whose labels are all among the top 5; loss: the model's
     own loss (binary cross-entropy per class by default)."""
-    from capsctl.data.multimnist import multi_hot, top2_correct
+    from capsctl.losses import multi_hot, top2_correct
 
     loss_name, loss_fn = loss
     n_cls = len(classes)
@@ -289,93 +224,6 @@ def _evaluate_multi_label(
     )
 
 
-EvalLoss = tuple[str, Callable[[Tensor, Tensor], Tensor]]
-
-
-def loss_name(preset: Preset, multi_label: bool) -> str:
-    """The loss a preset trains with: ``train.loss``, where ``auto`` means the model's own loss
-    (margin for dynamic routing, spread for EM routing, else cross-entropy, or binary
-    cross-entropy for multi-label data)."""
-    kind = preset.train.loss
-    if kind != "auto":
-        return kind
-    if preset.model.arch == "capsnet-dynamic":
-        return "margin"
-    if preset.model.arch == "capsnet-em":
-        return "spread"
-    return "bce" if multi_label else "cross_entropy"
-
-
-def _default_eval_loss(multi_label: bool, num_classes: int) -> EvalLoss:
-    from capsctl.data.multimnist import multi_hot
-
-    if multi_label:
-        return "bce", lambda out, y: F.binary_cross_entropy_with_logits(
-            out, multi_hot(y, num_classes)
-        )
-    return "cross_entropy", lambda out, y: F.cross_entropy(out, y)
-
-
-def eval_loss(preset: Preset, multi_label: bool, num_classes: int) -> EvalLoss:
-    """The model's own training loss for reporting: ``(name, fn(outputs, labels))``.
-
-    Dynamic-routing models output capsule lengths and EM models class activations, not
-    logits, so their loss is the margin or spread loss they train with (spread at its final
-    margin, 0.9), never a cross-entropy on those outputs. Label smoothing is left out.
-    """
-    name = loss_name(preset, multi_label)
-    unsmoothed = dataclasses.replace(
-        preset, train=dataclasses.replace(preset.train, label_smoothing=0.0)
-    )
-    fn = make_loss(unsmoothed, multi_label, num_classes)
-    return name, lambda out, y: fn(out, y, 1.0)
-
-
-def make_loss(
-    preset: Preset, multi_label: bool, num_classes: int
-) -> Callable[[Tensor, Tensor, float], Tensor]:
-    """``loss(logits, y, progress)``; ``progress`` in [0, 1] is the share of training done.
-
-    The loss is :func:`loss_name`'s: ``cross_entropy`` (with label smoothing) for one label per
-    image, ``bce`` (binary cross-entropy per class) for multi-label data, ``margin``: Sabour et
-    al.'s margin loss on the model's outputs (capsule lengths), ``spread``: Hinton et al.'s
-    spread loss on class activations, margin rising linearly from 0.2 to 0.9 over the first
-    half of training.
-    """
-    from capsctl.data.multimnist import multi_hot
-
-    kind = loss_name(preset, multi_label)
-    smoothing = preset.train.label_smoothing
-    if kind == "cross_entropy":
-        if multi_label:
-            raise ConfigError(
-                "train.loss: cross_entropy needs one label per image; use bce or auto"
-            )
-        return lambda logits, y, progress: F.cross_entropy(logits, y, label_smoothing=smoothing)
-    if kind == "bce":
-        return lambda logits, y, progress: F.binary_cross_entropy_with_logits(
-            logits, multi_hot(y, num_classes)
-        )
-    from capsctl.models import routing_baselines as rb
-
-    if kind == "margin":
-        return lambda logits, y, progress: rb.margin_loss(
-            logits, multi_hot(y, num_classes) if multi_label else y
-        )
-    return lambda logits, y, progress: rb.spread_loss(
-        logits, multi_hot(y, num_classes) if multi_label else y, 0.2 + 0.7 * min(1.0, 2 * progress)
-    )
-
-
-def count_correct(logits: Tensor, y: Tensor) -> Tensor:
-    """Top-1 hits, or the paper's top-2 metric for multi-label data."""
-    if y.dim() == 2:
-        from capsctl.data.multimnist import top2_correct
-
-        return top2_correct(logits, y).sum()
-    return (logits.argmax(1) == y).sum()
-
-
 def evaluate_checkpoint(
     path: str | Path,
     *,
@@ -393,7 +241,7 @@ def evaluate_checkpoint(
         raise UsageError(f"--split {split}: expected val or test")
     dev = resolve_device(device)
     model, meta = load_checkpoint(path, device=dev)
-    preset = _preset_from_meta(meta, Path(path))
+    preset = stored_preset(meta, Path(path))
     if data_dir is not None:
         preset.data.data_dir = data_dir
     if test_file is not None:
@@ -428,13 +276,6 @@ def evaluate_checkpoint(
         on_event=on_event,
     )
     return result, meta
-
-
-def _preset_from_meta(meta: dict[str, Any], path: Path) -> Preset:
-    try:
-        return preset_from_dict(meta["preset"])
-    except (KeyError, TypeError, ConfigError) as e:
-        raise CheckpointError(f"{path}: its stored preset is unusable ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,7 +464,7 @@ def _truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:
 
 def load_resume_preset(path: str | Path) -> Preset:
     """The preset stored in a checkpoint (for ``--resume``)."""
-    return _preset_from_meta(read_metadata(path), Path(path))
+    return stored_preset(read_metadata(path), Path(path))
 
 
 # Fields a resumed run may change: how long it runs, where and how fast it computes, what it
@@ -750,7 +591,7 @@ def _fit(
     t_start: float,
 ) -> FitResult:
     from capsctl.data import Loader
-    from capsctl.models import build_model_from_config, param_groups
+    from capsctl.models import build_model_from_config, parameter_counts
 
     if dist.is_main:
         _check_out_dir(out, resume is not None, overwrite)
@@ -762,7 +603,7 @@ def _fit(
     changes: list[dict[str, Any]] = []
     if resume is not None:  # refuse a changed recipe before any work
         meta = read_metadata(resume)
-        changes = resume_changes(_preset_from_meta(meta, Path(resume)), preset)
+        changes = resume_changes(stored_preset(meta, Path(resume)), preset)
     seed_everything(t.seed, t.deterministic)
     data = prepare_data(preset, on_event)
     _emit(
@@ -859,7 +700,7 @@ def _fit(
         "in_channels": preset.model.in_channels,
         "dataset": preset.data.dataset,
         "dataset_fingerprint": data.fingerprint,
-        "params": param_groups(model),
+        "params": parameter_counts(model),
         "capsctl_version": __version__,
         "torch_version": torch.__version__,
     }
@@ -1200,85 +1041,3 @@ class Distributed:
             import torch.distributed as tdist
 
             tdist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs for export checks and routing inspection
-
-
-@dataclass
-class SampleImages:
-    """Images ready for a model (``normalized``) and for pictures (``raw`` uint8)."""
-
-    normalized: Tensor  # float32 [N, C, H, W]
-    raw: Tensor  # uint8 [N, C, H, W]
-    labels: Tensor | None  # int64 [N]
-    description: str
-
-
-def _normalize(raw: Tensor, mean: list[float], std: list[float]) -> Tensor:
-    m = torch.tensor(mean).view(1, -1, 1, 1)
-    s = torch.tensor(std).view(1, -1, 1, 1)
-    return (raw.float() / 255.0 - m) / s
-
-
-def sample_images(
-    meta: dict[str, Any],
-    *,
-    split: str = "test",
-    indices: list[int] | None = None,
-    files: list[Path] | None = None,
-    random: int | None = None,
-    data_dir: str | None = None,
-    seed: int = 0,
-) -> SampleImages:
-    """Inputs for a checkpoint: dataset images by index, image files, or a seeded random batch."""
-    norm = meta.get("normalization") or {}
-    mean, std = list(norm.get("mean", [0.0])), list(norm.get("std", [1.0]))
-    channels = int(meta.get("in_channels", len(mean)))
-    size = int(meta.get("input_size", 32))
-    if len(mean) != channels:
-        mean, std = mean[:1] * channels, std[:1] * channels
-    if files:
-        from capsctl.data.images import read_image_file
-
-        raw = torch.stack([read_image_file(f, channels, size) for f in files])
-        return SampleImages(_normalize(raw, mean, std), raw, None, f"{len(files)} image file(s)")
-    if random is not None:
-        g = torch.Generator().manual_seed(seed)
-        raw = torch.randint(0, 256, (random, channels, size, size), generator=g, dtype=torch.uint8)
-        return SampleImages(
-            _normalize(raw, mean, std), raw, None, f"{random} random images (seed {seed})"
-        )
-    preset = _preset_from_meta(meta, Path("checkpoint"))
-    if data_dir is not None:
-        preset.data.data_dir = data_dir
-    if split not in ("train", "val", "test"):
-        raise UsageError(f"--split {split}: expected train, val or test")
-    from capsctl.data import load_dataset, split_train_val
-
-    d = preset.data
-    if split == "test":
-        ds = load_dataset(d.dataset, "test", d.data_dir, test_file=d.test_file, download=False)
-    else:
-        full = load_dataset(d.dataset, "train", d.data_dir, download=False)
-        if d.val_size > 0:
-            tr, va = split_train_val(full, d.val_size, preset.train.seed)
-            ds = va if split == "val" else tr
-        else:
-            ds = full
-    idx = indices if indices else list(range(min(8, len(ds))))
-    bad = [i for i in idx if not 0 <= i < len(ds)]
-    if bad:
-        raise UsageError(
-            f"--indices {bad[0]}: out of range for the {split} split ({len(ds)} images)"
-        )
-    sel = torch.tensor(idx)
-    raw = ds.images[sel]
-    return SampleImages(
-        _normalize(raw, mean, std),
-        raw,
-        ds.labels[sel],
-        f"{len(idx)} {split} images of {ds.name} "
-        f"(indices {idx[:8]}{'...' if len(idx) > 8 else ''})",
-    )

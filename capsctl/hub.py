@@ -458,7 +458,7 @@ def model_card(
     """The ``README.md`` of a model folder: YAML front matter (``model-index``) and the card.
 
     ``meta``: the checkpoint metadata; ``name``: the model's name (title, ``model-index``);
-    ``params``: :func:`capsctl.models.param_groups`; ``gflops``: GFLOPs per image
+    ``params``: :func:`capsctl.models.parameter_counts`; ``gflops``: GFLOPs per image
     (:func:`capsctl.compare.count_flops`: 2 x multiply-accumulates); ``license``: the licence
     id written to the front matter; ``repo_id``: the name to load it by in the usage example
     (default ``name``). The accuracy is the checkpoint's stored test result (written at the end
@@ -714,7 +714,7 @@ def export_model_folder(
         _parity_batches,
         default_output_path,
     )
-    from capsctl.models import param_groups
+    from capsctl.models import parameter_counts
 
     ckpt = Path(ckpt)
     meta = read_metadata(ckpt)
@@ -734,7 +734,7 @@ def export_model_folder(
         for k, v in load_tensors(ckpt).items()
         if k.startswith(_MODEL_PREFIX)
     }
-    params = param_groups(model)
+    params = parameter_counts(model)
     gflops = count_flops(model, (channels, size, size))
     card_name = name or out.name
     card = model_card(

@@ -226,7 +226,7 @@ def predict_images(
         expand_image_paths,
         load_image,
     )
-    from capsctl.engine import resolve_device
+    from capsctl.devices import resolve_device
 
     if top_k < 1:
         raise UsageError(f"--top-k {top_k}: must be >= 1")

@@ -166,7 +166,7 @@ def test_bad_device_is_usage_error(device: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="cuda is available here")
 def test_unavailable_cuda_is_usage_error() -> None:
-    with pytest.raises(UsageError, match="not available"):
+    with pytest.raises(UsageError, match="no CUDA device is available here; use --device cpu"):
         run_bench([tiny()], device="cuda", **FAST)
     (row,) = run_bench([tiny()], device="auto", **FAST)
     assert row.device == "cpu"
@@ -175,7 +175,7 @@ def test_unavailable_cuda_is_usage_error() -> None:
 def test_unavailable_mps_is_usage_error() -> None:
     if torch.backends.mps.is_available():
         pytest.skip("mps is available here")
-    with pytest.raises(UsageError, match="not available"):
+    with pytest.raises(UsageError, match="no MPS device is available here"):
         run_bench([tiny()], device="mps", **FAST)
 
 
@@ -405,3 +405,16 @@ def test_bench_cli_csv(capsys: pytest.CaptureFixture[str]) -> None:
         main([*args, "--csv", "--json"])
     out, err = capsys.readouterr()
     assert info.value.code == 2 and "--json and --csv exclude each other" in err and out == ""
+
+
+def test_one_device_resolver_for_every_command() -> None:
+    """bench, train and eval share one resolver: auto never fails, cuda:N is checked."""
+    from capsctl.devices import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type in ("cpu", "cuda", "mps")
+    with pytest.raises(UsageError, match="unknown"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="no CUDA device"):
+            resolve_device("cuda:1")

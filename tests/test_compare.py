@@ -28,7 +28,7 @@ from capsctl.compare import (
 from capsctl.config import DataConfig, Preset, preset_to_dict
 from capsctl.data import DATASETS
 from capsctl.errors import CheckpointError, UsageError
-from capsctl.models import param_groups
+from capsctl.models import parameter_counts
 from capsctl.registry import build_model, get_config, resolve_config
 
 TINY = {
@@ -190,7 +190,7 @@ def test_resnet18_flops_and_capsule_all_passes(report: tuple[CompareReport, list
 # Rows, references, footer, output
 
 
-def test_params_match_param_groups_and_known_counts(
+def test_params_match_parameter_counts_and_known_counts(
     report: tuple[CompareReport, list[dict]],
 ) -> None:
     rep, events = report
@@ -198,7 +198,7 @@ def test_params_match_param_groups_and_known_counts(
     caps = row(rep, "cifar10-caps")
     assert caps.params == {"total": 1_828_817, "backbone": 1_340_224, "capsules": 488_593}
     assert row(rep, "resnet18").params["total"] == 11_173_962
-    assert row(rep, "cifar10-caps-simple").params == param_groups(
+    assert row(rep, "cifar10-caps-simple").params == parameter_counts(
         build_model("cifar10-caps-simple")
     )
     assert (caps.source, caps.arch, caps.num_classes, caps.input) == (
@@ -359,7 +359,7 @@ def test_accuracy_from_checkpoint_metadata(checkpoint: Path, tmp_path: Path) -> 
     rep = compare([str(checkpoint)])
     (r,) = rep.rows
     assert r.source == "checkpoint" and r.name == str(checkpoint)
-    assert r.params == param_groups(build_model(resolve_config(TINY)))
+    assert r.params == parameter_counts(build_model(resolve_config(TINY)))
     assert r.accuracy == pytest.approx(0.61)
     assert r.accuracy_source == "checkpoint test (fashion-mnist-quickstart, 2,000 images)"
     assert r.input == [1, 28, 28] and r.reference_accuracy is None

@@ -129,7 +129,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
 ) -> None:
     import types
 
-    import capsctl.engine as engine
+    import capsctl.losses as losses
 
     calls = {"n": 0}
     real = torch.nn.functional
@@ -141,7 +141,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
             loss * float("nan") if calls["n"] == 6 + 1 + 2 else loss
         )  # 6 steps, 1 val batch, then step 2
 
-    monkeypatch.setattr(engine, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
+    monkeypatch.setattr(losses, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
     with pytest.raises(
         CapsctlError, match=r"loss became nan at epoch 2, step 2; the last good checkpoint"
     ):
@@ -362,7 +362,7 @@ def test_eval_reports_the_models_own_loss(tmp_path: Path) -> None:
     """Dynamic routing outputs capsule lengths, EM routing activations: their loss is the
     margin loss (Sabour et al. 2017, eq. 4) or the spread loss (Hinton et al. 2018, eq. 3, at
     its final margin 0.9), never a cross-entropy on those outputs."""
-    from capsctl.engine import eval_loss
+    from capsctl.losses import eval_loss
 
     out = torch.tensor([[0.95, 0.3, 0.05], [0.2, 0.5, 0.7]])
     y = torch.tensor([0, 1])

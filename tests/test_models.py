@@ -11,7 +11,7 @@ import torch
 import capsctl
 from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
 from capsctl.errors import ConfigError
-from capsctl.models import param_groups
+from capsctl.models import parameter_counts
 from capsctl.registry import get_config, list_models, resolve_config
 
 EXPECTED_PARAMS = {
@@ -31,7 +31,7 @@ def test_parameter_counts_are_exact(name: str, classes: int | None) -> None:
 
 
 def test_backbone_split() -> None:
-    groups = param_groups(capsctl.build_model("cifar10-caps"))
+    groups = parameter_counts(capsctl.build_model("cifar10-caps"))
     assert groups == {"total": 1_828_817, "backbone": 1_340_224, "capsules": 488_593}
 
 

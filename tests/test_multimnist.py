@@ -15,11 +15,11 @@ from capsctl.data.multimnist import (
     SEEDS,
     CompositeDataset,
     diverse_multimnist,
-    multi_hot,
-    top2_correct,
 )
-from capsctl.engine import evaluate, fit, prepare_data
+from capsctl.data.prepare import prepare_data
+from capsctl.engine import evaluate, fit
 from capsctl.errors import DataError
+from capsctl.losses import multi_hot, top2_correct
 
 
 def fake_mnist(n: int = 300) -> ArrayDataset:

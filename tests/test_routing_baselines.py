@@ -28,6 +28,7 @@ import torch
 
 from capsctl.config import load_preset
 from capsctl.errors import ConfigError
+from capsctl.losses import margin_loss, spread_loss
 from capsctl.models.capsnet import RoutingTrace
 from capsctl.models.routing_baselines import (
     DynamicCapsNet,
@@ -36,8 +37,6 @@ from capsctl.models.routing_baselines import (
     EMCapsules,
     dynamic_config,
     em_config,
-    margin_loss,
-    spread_loss,
 )
 from capsctl.registry import get_config, list_models
 
@@ -622,7 +621,7 @@ def test_model_api_and_configs() -> None:
     assert all(s.pose == "matrix" for s in em.layers) and em.class_pose == "matrix"
     assert base.arch == "capsnet" and base.layers[0].pose == "matrix"  # base untouched
     model = DynamicCapsNet(dyn)
-    groups = model.param_groups()
+    groups = model.parameter_counts()
     assert groups["total"] == sum(p.numel() for p in model.parameters())
     assert groups["backbone"] + groups["capsules"] == groups["total"]
     assert model.routing == "sequential" and model.logit_scale == 1.0

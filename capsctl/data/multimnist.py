@@ -184,26 +184,3 @@ def diverse_multimnist(
         seed=int(seed),
         count=None if n is None else count,
     )
-
-
-def multi_hot(y: torch.Tensor, classes: int) -> torch.Tensor:
-    """``[B, 2]`` labels (``-1`` = none) or ``[B]`` labels as a float multi-hot ``[B, classes]``."""
-    if y.dim() == 1:
-        return torch.nn.functional.one_hot(y, classes).float()
-    hot = torch.zeros(y.shape[0], classes + 1, device=y.device)
-    hot.scatter_(
-        1, torch.where(y < 0, classes, y), 1.0
-    )  # [B, classes + 1]: -1 goes to a spare slot
-    return hot[:, :classes]
-
-
-def top2_correct(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The paper's metric, per image: for a pair, the top-2 classes equal the two labels; for a
-    single digit, the top-1 class equals the label. ``logits [B, C]``, ``y [B, 2]``."""
-    top2 = logits.topk(2, dim=1).indices  # [B, 2]
-    single = y[:, 1] < 0
-    pair_ok = ((top2[:, :1] == y[:, :1]) | (top2[:, 1:] == y[:, :1])).squeeze(1) & (
-        (top2[:, :1] == y[:, 1:]) | (top2[:, 1:] == y[:, 1:])
-    ).squeeze(1)
-    single_ok = top2[:, 0] == y[:, 0]
-    return torch.where(single, single_ok, pair_ok)

@@ -6,7 +6,7 @@ from torch import nn
 
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
-__all__ = ["CapsLayerSpec", "ModelConfig", "build_model_from_config", "param_groups"]
+__all__ = ["CapsLayerSpec", "ModelConfig", "build_model_from_config", "parameter_counts"]
 
 
 def build_model_from_config(cfg: ModelConfig) -> nn.Module:
@@ -36,9 +36,9 @@ def build_model_from_config(cfg: ModelConfig) -> nn.Module:
     raise ValueError(f"unknown arch {cfg.arch!r}")
 
 
-def param_groups(model: nn.Module) -> dict[str, int]:
+def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Total parameters, and the backbone/capsule split where the model has one."""
-    fn = getattr(model, "param_groups", None)
+    fn = getattr(model, "parameter_counts", None)
     if callable(fn):
         return fn()
     total = sum(p.numel() for p in model.parameters())

@@ -72,7 +72,7 @@ class CNNBaseline(nn.Module):
         y = self.fcs(y).view(-1, self.num_classes, self.dim)  # [b, classes, d]
         return self.head(y).squeeze(-1)  # [b, classes]
 
-    def param_groups(self) -> dict[str, int]:
+    def parameter_counts(self) -> dict[str, int]:
         backbone = sum(p.numel() for p in self.backbone.parameters())
         total = sum(p.numel() for p in self.parameters())
         return {"total": total, "backbone": backbone, "capsules": total - backbone}

@@ -234,7 +234,7 @@ class CapsNet(nn.Module):
             return logits, rt
         return logits
 
-    def param_groups(self) -> dict[str, int]:
+    def parameter_counts(self) -> dict[str, int]:
         """Parameter counts of the backbone and of the capsule part."""
         backbone = sum(p.numel() for p in self.backbone.parameters())
         total = sum(p.numel() for p in self.parameters())

@@ -11,8 +11,8 @@ every sum over children is one batched matrix product without copies.
 Both models reuse :func:`capsctl.models.capsnet.plan_layers` (grids, child counts, the class
 capsules) and the backbone and 1x1 primary-capsule convolution of :class:`CapsNet`, and expose the
 same API: ``forward(x, trace=False)`` returns ``[b, classes]`` or ``(outputs, RoutingTrace)``,
-``set_routing(iterations, mode)``, ``param_groups()``, ``capsules`` (the capsule layers, each with
-``out_types``), ``iterations`` and ``routing``.
+``set_routing(iterations, mode)``, ``parameter_counts()``, ``capsules`` (the capsule layers, each
+with ``out_types``), ``iterations`` and ``routing``.
 
 Both procedures are *sequential* by construction (each layer runs all its iterations before the
 next layer starts): ``cfg.routing`` is ignored, ``routing`` is always ``"sequential"``, and
@@ -588,7 +588,7 @@ class _BaselineNet(nn.Module):
             child_grids=list(self._child_grids),
         )
 
-    def param_groups(self) -> dict[str, int]:
+    def parameter_counts(self) -> dict[str, int]:
         """Parameter counts of the backbone and of the capsule part."""
         backbone = sum(p.numel() for p in self.backbone.parameters())
         total = sum(p.numel() for p in self.parameters())
@@ -715,49 +715,6 @@ class EMCapsNet(_BaselineNet):
 # --------------------------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------------------------
-
-
-def _target_matrix(target: Tensor, scores: Tensor) -> Tensor:
-    """Integer targets ``[b]`` or multi-hot targets ``[b, C]`` -> float ``[b, C]``."""
-    if scores.dim() != 2:
-        raise ValueError(f"expected scores [b, C], got shape {tuple(scores.shape)}")
-    if target.dim() == 1 and target.shape[0] == scores.shape[0]:
-        return F.one_hot(target.long(), scores.shape[1]).to(scores.dtype)
-    if target.shape == scores.shape:
-        return target.to(scores.dtype)
-    raise ValueError(
-        f"targets must be [b] class indices or [b, C] multi-hot, got {tuple(target.shape)}"
-        f" for scores {tuple(scores.shape)}"
-    )
-
-
-def margin_loss(
-    lengths: Tensor,
-    target: Tensor,
-    m_plus: float = 0.9,
-    m_minus: float = 0.1,
-    lam: float = 0.5,
-) -> Tensor:
-    """Margin loss of Sabour et al. 2017 (eq. 4), summed over classes, mean over the batch.
-
-    ``L_k = T_k max(0, m+ - |v_k|)^2 + lam (1 - T_k) max(0, |v_k| - m-)^2``.
-    """
-    t = _target_matrix(target, lengths)  # [b, C]
-    pos = t * F.relu(m_plus - lengths).pow(2)
-    neg = lam * (1.0 - t) * F.relu(lengths - m_minus).pow(2)
-    return (pos + neg).sum(-1).mean()
-
-
-def spread_loss(activations: Tensor, target: Tensor, margin: float | Tensor) -> Tensor:
-    """Spread loss of Hinton et al. 2018, summed over classes, mean over the batch.
-
-    ``L = sum_{i != t} max(0, margin - (a_t - a_i))^2``; with multi-hot targets the sum runs over
-    every (target ``t``, non-target ``i``) pair. The caller schedules ``margin`` (0.2 -> 0.9).
-    """
-    t = _target_matrix(target, activations)  # [b, C]
-    gap = margin - (activations.unsqueeze(2) - activations.unsqueeze(1))  # [b, C(t), C(i)]
-    pairs = t.unsqueeze(2) * (1.0 - t).unsqueeze(1)  # [b, C(t), C(i)]
-    return (F.relu(gap).pow(2) * pairs).sum((1, 2)).mean()
 
 
 # --------------------------------------------------------------------------------------------
