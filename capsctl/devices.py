@@ -7,11 +7,14 @@ does not have, is a :class:`~capsctl.errors.UsageError` that says what to use in
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 from capsctl.errors import UsageError
 
-__all__ = ["resolve_device"]
+__all__ = ["autocast", "resolve_device"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,3 +51,10 @@ def resolve_device(name: str) -> torch.device:
 def _mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return bool(mps is not None and mps.is_available())
+
+
+def autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on ``device`` when ``amp``, else nothing."""
+    if not amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ kind               fields
 ``epoch_start``    ``epoch``, ``epochs``, ``steps``
 ``epoch_end``      the epoch's metrics record (see ``capsctl.training``) and ``epochs``
 ``warning``        ``message``: one line for the user
-``download``       ``what``, ``done`` (bytes), ``total`` (bytes or None)
+``download``       ``url``, ``done`` (bytes), ``total`` (bytes or None)
 =================  ============================================================================
 
 Other kinds carry the fields their emitter documents. Counts always use ``step``/``steps``.

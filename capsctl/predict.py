@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from capsctl.errors import CapsctlError, CheckpointError, DataError, UsageError
+from capsctl.events import EventFn, emit
 
 if TYPE_CHECKING:  # pragma: no cover
     from capsctl.data.images import LoadedImage
@@ -52,9 +53,6 @@ __all__ = [
     "score_kind",
     "scores_from_outputs",
 ]
-
-Event = dict[str, Any]
-EventFn = Callable[[Event], None] | None
 
 #: Datasets whose images carry several labels (labels are ``[N, k]`` pairs).
 MULTI_LABEL_DATASETS = ("diverse-multimnist",)
@@ -131,11 +129,6 @@ class PredictResult:
             "images": [p.to_dict() for p in self.predictions],
             "skipped": [s.to_dict() for s in self.skipped],
         }
-
-
-def _emit(on_event: EventFn, event: str, **fields: Any) -> None:
-    if on_event is not None:
-        on_event({"event": event, **fields})
 
 
 def is_multi_label(meta: dict[str, Any]) -> bool:
@@ -217,16 +210,10 @@ def predict_images(
     matches nothing, or a file that cannot be decoded, is an error naming it; with
     ``skip_bad`` it is reported as a ``warning`` event and left out, and the other images are
     classified. ``top_k`` larger than the number of classes shows every class. Emits
-    ``eval_step`` events (``name="images"``) per batch.
+    ``eval_step`` events (``name="images"``, ``step``, ``steps``) per batch.
     """
-    from capsctl.checkpoint import load_checkpoint, read_metadata
-    from capsctl.data.images import (
-        UnreadableImageError,
-        describe_preprocessing,
-        expand_image_paths,
-        load_image,
-    )
-    from capsctl.devices import resolve_device
+    from capsctl.checkpoint import read_metadata
+    from capsctl.data.images import describe_preprocessing
 
     if top_k < 1:
         raise UsageError(f"--top-k {top_k}: must be >= 1")
@@ -235,27 +222,82 @@ def predict_images(
     if not paths:
         raise UsageError("name at least one image file, folder or glob pattern")
     checkpoint = Path(checkpoint)
-    files, unmatched = expand_image_paths(paths)
     skipped: list[Skipped] = []
+    files = _image_files(paths, skip_bad, skipped, on_event)
+    meta = read_metadata(checkpoint)  # cheap: the header only; the model is loaded below
+    channels, size = _input_shape(meta)
+    mean, std = _normalization(meta, channels, checkpoint)
+    loaded = _load_images(files, channels, size, skip_bad, skipped, on_event)
+
+    model = _load_model(checkpoint, device)
+    k = min(top_k, model.num_classes)
+    t0 = time.perf_counter()
+    predictions = _classify(model, loaded, mean, std, k, batch_size, on_event)
+    norm_name = (model.meta.get("normalization") or {}).get("name")
+    preprocessing = (
+        f"{describe_preprocessing(channels, size)}; (x/255 - mean) / std with "
+        f"{f'{norm_name} ' if norm_name else ''}mean {_fmt(mean)}, std {_fmt(std)}"
+    )
+    return PredictResult(
+        checkpoint=str(checkpoint),
+        arch=model.arch,
+        num_classes=model.num_classes,
+        multi_label=model.multi_label,
+        score=model.score,
+        score_description=_SCORE_TEXT[model.score],
+        preprocessing=preprocessing,
+        top_k=k,
+        device=str(model.device),
+        seconds=time.perf_counter() - t0,
+        predictions=predictions,
+        skipped=skipped,
+    )
+
+
+def _image_files(
+    paths: Sequence[str | os.PathLike[str]],
+    skip_bad: bool,
+    skipped: list[Skipped],
+    on_event: EventFn,
+) -> list[Path]:
+    """The image files ``paths`` name; an argument matching none is skipped or an error."""
+    from capsctl.data.images import expand_image_paths
+
+    files, unmatched = expand_image_paths(paths)
     for arg, reason in unmatched:
         if not skip_bad:
             raise UsageError(f"{arg}: {reason}")
         skipped.append(Skipped(arg, reason))
-        _emit(on_event, "warning", message=f"skipped {arg}: {reason}")
+        emit(on_event, "warning", message=f"skipped {arg}: {reason}")
     if not files:
         raise UsageError(
             f"no image files among {', '.join(os.fspath(p) for p in paths)}; name PNG, JPEG or "
             "other image files, folders holding them, or glob patterns"
         )
+    return files
 
-    meta = read_metadata(checkpoint)  # cheap: the header only; the model is loaded below
+
+def _input_shape(meta: dict[str, Any]) -> tuple[int, int]:
+    """``(channels, size)`` of the model's input, from the checkpoint's metadata."""
     channels = int(meta.get("in_channels") or 0)
     size = int(meta.get("input_size") or 0)
     if channels < 1 or size < 1:
         model_meta = (meta.get("preset") or {}).get("model") or {}
         channels = channels or int(model_meta.get("in_channels", 3))
         size = size or int(model_meta.get("input_size", 32))
-    mean, std = _normalization(meta, channels, checkpoint)
+    return channels, size
+
+
+def _load_images(
+    files: Sequence[Path],
+    channels: int,
+    size: int,
+    skip_bad: bool,
+    skipped: list[Skipped],
+    on_event: EventFn,
+) -> list[tuple[Path, LoadedImage]]:
+    """Every readable file decoded for the model; an unreadable one is skipped or an error."""
+    from capsctl.data.images import UnreadableImageError, load_image
 
     loaded: list[tuple[Path, LoadedImage]] = []
     for f in files:
@@ -268,69 +310,82 @@ def predict_images(
                 raise
             reason = e.reason if isinstance(e, UnreadableImageError) else str(e)
             skipped.append(Skipped(str(f), reason.removeprefix(f"{f}: ")))
-            _emit(on_event, "warning", message=f"skipped {f}: {skipped[-1].reason}")
+            emit(on_event, "warning", message=f"skipped {f}: {skipped[-1].reason}")
     if not loaded:
         raise CapsctlError(
             f"none of the {len(files)} image file(s) could be read; see the warnings above"
         )
+    return loaded
+
+
+@dataclass
+class _LoadedModel:
+    """A checkpoint's model on its device, with what scoring its outputs needs."""
+
+    module: nn.Module
+    meta: dict[str, Any]
+    device: torch.device
+    classes: list[str]
+    arch: str
+    num_classes: int
+    multi_label: bool
+    score: str  # see score_kind
+
+
+def _load_model(checkpoint: Path, device: str) -> _LoadedModel:
+    from capsctl.checkpoint import load_checkpoint
+    from capsctl.devices import resolve_device
 
     dev = resolve_device(device)
     model, meta = load_checkpoint(checkpoint, device=dev)
     classes = [str(c) for c in meta.get("classes") or []]
     arch = _arch(meta, model)
     multi_label = is_multi_label(meta)
-    kind = score_kind(arch, multi_label)
     n_cls = int(getattr(getattr(model, "config", None), "num_classes", len(classes)))
     if len(classes) != n_cls:
         raise CheckpointError(
             f"{checkpoint}: it names {len(classes)} classes but the model outputs {n_cls}; "
             "the file is inconsistent"
         )
-    k = min(top_k, n_cls)
+    kind = score_kind(arch, multi_label)
+    return _LoadedModel(model, meta, dev, classes, arch, n_cls, multi_label, kind)
+
+
+def _classify(
+    model: _LoadedModel,
+    loaded: Sequence[tuple[Path, LoadedImage]],
+    mean: Sequence[float],
+    std: Sequence[float],
+    k: int,
+    batch_size: int,
+    on_event: EventFn,
+) -> list[Prediction]:
+    """The top-``k`` classes of every image, in batches of ``batch_size`` in eval mode."""
+    dev = model.device
     # (x / 255 - mean) / std == x * scale + shift, as the data loader of capsctl eval does it.
     std_t = torch.tensor(std, dtype=torch.float32)
     mean_t = torch.tensor(mean, dtype=torch.float32)
     scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1).to(dev)  # [1, C, 1, 1]
     shift = (-mean_t / std_t).view(1, -1, 1, 1).to(dev)  # [1, C, 1, 1]
-
     predictions: list[Prediction] = []
-    model.eval()
-    t0 = time.perf_counter()
+    model.module.eval()
     steps = (len(loaded) + batch_size - 1) // batch_size
     for step in range(steps):
         chunk = loaded[step * batch_size : (step + 1) * batch_size]
         raw = torch.stack([img.pixels for _, img in chunk]).to(dev)  # uint8 [b, C, H, W]
         x = raw.to(torch.float32).mul_(scale).add_(shift)  # [b, C, H, W]
         with torch.no_grad():
-            scores = scores_from_outputs(model(x), kind, model)  # [b, classes]
+            scores = scores_from_outputs(model.module(x), model.score, model.module)  # [b, cls]
         top = scores.topk(k, dim=1)  # values/indices [b, k]
         values, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
         for (f, img), vs, ix in zip(chunk, values, indices, strict=True):
             predictions.append(
-                Prediction(str(f), img.description, [classes[i] for i in ix], ix, vs)
+                Prediction(str(f), img.description, [model.classes[i] for i in ix], ix, vs)
             )
-        _emit(on_event, "eval_step", name="images", step=step + 1, steps=steps)
+        emit(on_event, "eval_step", name="images", step=step + 1, steps=steps)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    norm_name = (meta.get("normalization") or {}).get("name")
-    preprocessing = (
-        f"{describe_preprocessing(channels, size)}; (x/255 - mean) / std with "
-        f"{f'{norm_name} ' if norm_name else ''}mean {_fmt(mean)}, std {_fmt(std)}"
-    )
-    return PredictResult(
-        checkpoint=str(checkpoint),
-        arch=arch,
-        num_classes=n_cls,
-        multi_label=multi_label,
-        score=kind,
-        score_description=_SCORE_TEXT[kind],
-        preprocessing=preprocessing,
-        top_k=k,
-        device=str(dev),
-        seconds=time.perf_counter() - t0,
-        predictions=predictions,
-        skipped=skipped,
-    )
+    return predictions
 
 
 def _fmt(values: Sequence[float]) -> str:

@@ -1,10 +1,15 @@
-"""Registered models: a name maps to a :class:`ModelConfig`; builders turn configs into modules."""
+"""Registered models: a name maps to a function that makes its :class:`ModelConfig`.
+
+This module imports only :mod:`capsctl.models.spec` (never :mod:`capsctl.config`). Models given
+as mappings (``base: <name>`` plus fields) and building networks from names, configs or
+mappings are :func:`capsctl.config.resolve_config` and :func:`capsctl.config.build_model`.
+"""
 
 from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,31 +179,24 @@ def get_config(name: str, num_classes: int | None = None) -> ModelConfig:
     return cfg
 
 
-def resolve_config(
-    spec: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None
-) -> ModelConfig:
-    """A name, a config or a mapping (validated; may hold ``base: <name>``) -> ModelConfig."""
-    if isinstance(spec, ModelConfig):
-        cfg = copy.deepcopy(spec)
-    elif isinstance(spec, str):
-        cfg = get_config(spec)
-    else:
-        from capsctl.config import model_from_mapping
+def model_summaries(pattern: str = "*") -> list[dict[str, Any]]:
+    """What ``capsctl models`` lists: name, description, structure and parameter counts of each
+    registered model matching the shell-style ``pattern`` (each model is built once)."""
+    from capsctl.models import build_model_from_config, parameter_counts
+    from capsctl.models.capsnet import architecture_summary
 
-        cfg = model_from_mapping(dict(spec), path="model")
-    if num_classes is not None:
-        cfg = cfg.replace(num_classes=num_classes)
-    return cfg
-
-
-def build_model(
-    name_or_config: str | ModelConfig | Mapping[str, Any], num_classes: int | None = None
-):  # noqa: ANN201
-    """Build a model from a registered name, a :class:`ModelConfig` or a mapping.
-
-    >>> model = build_model("cifar10-caps")          # doctest: +SKIP
-    >>> model = build_model("resnet18", num_classes=100)  # doctest: +SKIP
-    """
-    from capsctl.models import build_model_from_config
-
-    return build_model_from_config(resolve_config(name_or_config, num_classes))
+    rows = []
+    for name in list_models(pattern):
+        cfg = get_config(name)
+        rows.append(
+            {
+                "name": name,
+                "description": describe_model(name),
+                "arch": cfg.arch,
+                "structure": architecture_summary(cfg) if cfg.arch == "capsnet" else cfg.arch,
+                "params": parameter_counts(build_model_from_config(cfg)),
+                "num_classes": cfg.num_classes,
+                "input": [cfg.in_channels, cfg.input_size, cfg.input_size],
+            }
+        )
+    return rows

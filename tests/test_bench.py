@@ -9,18 +9,21 @@ import pytest
 import torch
 from torch import nn
 
-import capsctl.bench as bench
+import capsctl.bench.measure as measure
+import capsctl.bench.memory as memory
 from capsctl.bench import (
     BenchRow,
     RssSampler,
     add_ratios,
     current_rss_bytes,
+    release_memory,
+    rows_to_csv,
     rows_to_json,
     run_bench,
 )
+from capsctl.config import resolve_config
 from capsctl.errors import ConfigError, UsageError
 from capsctl.models.capsnet import CapsNet
-from capsctl.registry import resolve_config
 
 MB = 1024 * 1024
 TINY = {"base": "mnist-caps", "primary_types": 4, "primary_dim": 4, "layers": [], "input_size": 16}
@@ -72,11 +75,11 @@ def test_events(with_resnet: Run) -> None:
     _, events = with_resnet
     models = [e for e in events if e["event"] == "bench_model"]
     assert models == [
-        {"event": "bench_model", "name": "resnet18", "index": 0, "total": 2},
-        {"event": "bench_model", "name": "tiny-caps", "index": 1, "total": 2},
+        {"event": "bench_model", "name": "resnet18", "step": 1, "steps": 2},
+        {"event": "bench_model", "name": "tiny-caps", "step": 2, "steps": 2},
     ]
     steps = [e for e in events if e["event"] == "bench_step" and e["name"] == "tiny-caps"]
-    assert [(e["phase"], e["step"], e["total"], e["warmup"]) for e in steps] == [
+    assert [(e["phase"], e["step"], e["steps"], e["warmup"]) for e in steps] == [
         ("train", 1, 2, True),
         ("train", 2, 2, False),
         ("infer", 1, 2, True),
@@ -239,7 +242,7 @@ def test_current_rss_is_plausible() -> None:
 def test_sampler_sees_a_transient_200mb_allocation() -> None:
     if current_rss_bytes() is None:
         pytest.skip("no /proc here")
-    bench.release_memory()
+    release_memory()
 
     def allocate() -> None:
         x = torch.ones(200 * MB // 4)  # 200 MB, touched
@@ -256,7 +259,7 @@ def test_sampler_sees_a_transient_200mb_allocation() -> None:
 
 def test_sampler_falls_back_to_ru_maxrss(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("resource")
-    monkeypatch.setattr(bench, "_STATM", "/nonexistent/statm")
+    monkeypatch.setattr(memory, "_STATM", "/nonexistent/statm")
     with RssSampler() as sampler:
         pass
     assert sampler.source == "ru_maxrss"
@@ -279,13 +282,13 @@ class _Hog(nn.Module):
 def test_big_allocation_shows_a_higher_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     if current_rss_bytes() is None:
         pytest.skip("no /proc here")
-    real_build = bench.build_model
+    real_build = measure.build_model
 
     def build(cfg):  # noqa: ANN001, ANN202
         model = real_build(cfg)
         return _Hog(model) if cfg.num_classes == 3 else model
 
-    monkeypatch.setattr(bench, "build_model", build)
+    monkeypatch.setattr(measure, "build_model", build)
     small, hog = run_bench([tiny("small"), tiny("hog", num_classes=3)], **FAST)
     assert hog.peak_rss_bytes >= small.peak_rss_bytes + 200 * MB
 
@@ -345,7 +348,7 @@ def test_rows_to_csv_header_and_units() -> None:
         infer_ratio=None,
         input_size=32,
     )
-    text = bench.rows_to_csv([row])
+    text = rows_to_csv([row])
     assert text.splitlines()[0] == BENCH_HEADER
     (got,) = _csv(text)
     assert got == {
@@ -374,7 +377,7 @@ def test_rows_to_csv_header_and_units() -> None:
 
 def test_rows_to_csv_of_measured_rows(with_resnet: Run) -> None:
     rows, _ = with_resnet
-    resnet, caps = _csv(bench.rows_to_csv(rows))
+    resnet, caps = _csv(rows_to_csv(rows))
     assert resnet["model"] == "resnet18" and resnet["param_count"] == "11.17"
     assert resnet["infer_img_size"] == resnet["train_img_size"] == "32"
     assert caps["infer_img_size"] == "16" and caps["train_batch_size"] == "2"
@@ -387,7 +390,7 @@ def test_rows_to_csv_of_measured_rows(with_resnet: Run) -> None:
 
 def test_rows_to_csv_leaves_a_skipped_phase_empty() -> None:
     (row,) = run_bench([tiny()], train=False, **FAST)
-    (got,) = _csv(bench.rows_to_csv([row]))
+    (got,) = _csv(rows_to_csv([row]))
     assert got["infer_batch_size"] == "2" and got["infer_img_size"] == "16"
     for col in ("train_samples_per_sec", "train_step_time", "train_batch_size", "train_img_size"):
         assert got[col] == ""

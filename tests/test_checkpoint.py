@@ -20,7 +20,6 @@ from torch import nn
 
 import capsctl
 import capsctl.models
-from capsctl import checkpoint
 from capsctl.checkpoint import (
     capture_rng_state,
     load_checkpoint,
@@ -34,6 +33,7 @@ from capsctl.checkpoint import (
     strip_training_state,
     unpack_training_state,
 )
+from capsctl.checkpoint import format as checkpoint_format
 from capsctl.config import Preset, preset_to_dict
 from capsctl.errors import CheckpointError
 from capsctl.models.spec import ModelConfig
@@ -167,7 +167,7 @@ def test_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.Mo
     path = tmp_path / "last.safetensors"
     save_checkpoint(path, {"model.w": torch.ones(1000)}, {"epoch": 1})
     before = path.read_bytes()
-    monkeypatch.setattr(checkpoint, "_write_all", _full_disk)
+    monkeypatch.setattr(checkpoint_format, "_write_all", _full_disk)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(path, {"model.w": torch.zeros(1000)}, {"epoch": 2})
     assert str(info.value) == (
@@ -179,7 +179,7 @@ def test_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_failed_first_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpoint, "_write_all", _full_disk)
+    monkeypatch.setattr(checkpoint_format, "_write_all", _full_disk)
     with pytest.raises(CheckpointError, match="No space left on device"):
         save_checkpoint(tmp_path / "new.safetensors", {"model.w": torch.ones(10)}, {})
     assert list(tmp_path.iterdir()) == []
@@ -193,7 +193,7 @@ def test_failed_rename_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.M
     def broken_replace(src: Any, dst: Any) -> None:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(checkpoint.os, "replace", broken_replace)
+    monkeypatch.setattr(checkpoint_format.os, "replace", broken_replace)
     with pytest.raises(CheckpointError, match="previous file is unchanged"):
         save_checkpoint(path, {"model.w": torch.zeros(3)}, {"epoch": 2})
     assert path.read_bytes() == before

@@ -1,8 +1,9 @@
-"""Model comparison: targets, parameters, FLOPs, accuracy sources, references, footer, output."""
+"""Model comparison: targets, parameters, FLOPs, accuracy sources, references, ratios, output."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import capsctl.bench as bench
-import capsctl.engine as engine
+import capsctl.evaluation as evaluation
 from capsctl.checkpoint import model_tensors, save_checkpoint
 from capsctl.compare import (
     PUBLISHED,
@@ -23,13 +24,14 @@ from capsctl.compare import (
     count_flops,
     published_result,
     reference_accuracy,
+    reference_ratios,
     resolve_target,
 )
-from capsctl.config import DataConfig, Preset, preset_to_dict
+from capsctl.config import DataConfig, Preset, build_model, preset_to_dict, resolve_config
 from capsctl.data import DATASETS
 from capsctl.errors import CheckpointError, UsageError
 from capsctl.models import parameter_counts
-from capsctl.registry import build_model, get_config, resolve_config
+from capsctl.registry import get_config
 
 TINY = {
     "base": "mnist-caps",
@@ -130,6 +132,19 @@ def test_resolve_checkpoint(checkpoint: Path) -> None:
     assert cfg == resolve_config(TINY)
 
 
+def test_model_folder_is_compared_like_its_checkpoint(checkpoint: Path, tmp_path: Path) -> None:
+    from capsctl.export import export_checkpoint
+
+    folder = export_checkpoint(checkpoint, "hf", tmp_path / "tiny-caps").path
+    name, source, cfg, path = resolve_target(str(folder))
+    assert (name, source, path) == (str(folder), "checkpoint", folder)
+    assert cfg == resolve_config(TINY)
+    from_folder, from_file = compare([str(folder), str(checkpoint)]).rows
+    assert from_folder.accuracy == pytest.approx(0.61)
+    assert from_folder.accuracy_source == from_file.accuracy_source
+    assert dataclasses.replace(from_folder, name=from_file.name) == from_file
+
+
 def test_unknown_target_lists_what_is_accepted(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as info:
         resolve_target("no-such-model")
@@ -187,7 +202,7 @@ def test_resnet18_flops_and_capsule_all_passes(report: tuple[CompareReport, list
 
 
 # --------------------------------------------------------------------------------------------
-# Rows, references, footer, output
+# Rows, references, ratios, output
 
 
 def test_params_match_parameter_counts_and_known_counts(
@@ -213,8 +228,8 @@ def test_params_match_parameter_counts_and_known_counts(
     assert caps.accuracy is None and caps.accuracy_source is None
     assert caps.train_step_s is None and caps.peak_memory_bytes is None
     assert [e for e in events if e["event"] == "compare_model"] == [
-        {"event": "compare_model", "name": n, "index": i, "total": 3}
-        for i, n in enumerate(["cifar10-caps", "cifar10-caps-simple", "resnet18"])
+        {"event": "compare_model", "name": n, "step": i, "steps": 3}
+        for i, n in enumerate(["cifar10-caps", "cifar10-caps-simple", "resnet18"], start=1)
     ]
 
 
@@ -314,29 +329,73 @@ def test_presets_and_checkpoints_match_on_their_dataset(tmp_path: Path) -> None:
         assert r.reference_accuracy is None and r.reference_source is None, r.name
 
 
-def test_footer_ratios(report: tuple[CompareReport, list[dict]]) -> None:
+def test_ratios_to_resnet18(report: tuple[CompareReport, list[dict]]) -> None:
     rep, _ = report
     assert rep.reference == "resnet18"
-    assert len(rep.footer) == 2
-    line = next(f for f in rep.footer if f.startswith("cifar10-caps:"))
-    assert "6.1x fewer parameters than resnet18" in line
-    assert "the FLOPs" in line and "with every routing pass" in line
-    assert not any(f.startswith("resnet18") for f in rep.footer)
+    assert [r.name for r in rep.ratios] == ["cifar10-caps", "cifar10-caps-simple"]
+    caps, resnet = row(rep, "cifar10-caps"), row(rep, "resnet18")
+    ratios = rep.ratios[0]
+    assert ratios.reference == "resnet18"
+    assert ratios.params == pytest.approx(1_828_817 / 11_173_962)  # about 6.1x fewer
+    assert not ratios.params_about_equal
+    assert ratios.gflops == pytest.approx(caps.gflops / resnet.gflops)
+    assert caps.gflops_all_passes is not None
+    assert ratios.gflops_all_passes == pytest.approx(caps.gflops_all_passes / resnet.gflops)
+    assert ratios.train_step is None and ratios.inference is None  # no --speed
 
 
-def test_no_reference_no_footer(checkpoint: Path) -> None:
+def _row(name: str, params: int, gflops: float, **speed: float | None) -> CompareRow:
+    return CompareRow(
+        name=name,
+        source="model",
+        arch="capsnet",
+        num_classes=10,
+        input=[3, 32, 32],
+        params={"total": params, "backbone": params, "capsules": 0},
+        gflops=gflops,
+        routing=None,
+        iterations=None,
+        accuracy=None,
+        accuracy_source=None,
+        reference_accuracy=None,
+        reference_source=None,
+        **speed,
+    )
+
+
+def test_reference_ratios_directions_and_edge_cases() -> None:
+    ref = _row("ref", 1000, 2.0, train_step_s=0.1, infer_images_per_s=400.0)
+    fast = _row("a", 1004, 1.0, gflops_all_passes=1.5, train_step_s=0.3, infer_images_per_s=800.0)
+    r = reference_ratios(fast, ref)
+    assert (r.name, r.reference) == ("a", "ref")
+    assert r.params == pytest.approx(1.004) and r.params_about_equal  # within 0.5 %
+    assert r.gflops == pytest.approx(0.5) and r.gflops_all_passes == pytest.approx(0.75)
+    assert r.train_step == pytest.approx(3.0)  # 0.3 s / 0.1 s: slower
+    assert r.inference == pytest.approx(0.5)  # 400 / 800 images/s: twice as fast
+    assert not reference_ratios(_row("b", 1006, 1.0), ref).params_about_equal
+    assert reference_ratios(_row("c", 996, 1.0), ref).params_about_equal  # 1000 < 1.005 * 996
+    same_passes = reference_ratios(_row("d", 10, 1.0, gflops_all_passes=1.0), ref)
+    assert same_passes.gflops_all_passes is None
+    assert same_passes.train_step is None and same_passes.inference is None  # not measured
+    no_flops = reference_ratios(_row("e", 10, 1.0), _row("ref", 10, 0.0))
+    assert no_flops.gflops is None and no_flops.gflops_all_passes is None
+
+
+def test_no_reference_no_ratios(checkpoint: Path) -> None:
     rep = compare([str(checkpoint)])
-    assert rep.reference is None and rep.footer == []
+    assert rep.reference is None and rep.ratios == []
 
 
 def test_to_dict_and_csv(report: tuple[CompareReport, list[dict]]) -> None:
     rep, _ = report
     data = json.loads(json.dumps(rep.to_dict()))
-    assert set(data) == {"models", "reference", "footer", "flops_note"}
+    assert set(data) == {"models", "reference", "ratios", "flops_note"}
     assert [m["name"] for m in data["models"]] == [r.name for r in rep.rows]
     assert data["models"][0]["params"]["total"] == 1_828_817
     assert data["models"][0]["gflops_all_passes"] > data["models"][0]["gflops"]
-    assert data["reference"] == "resnet18" and data["footer"] == rep.footer
+    assert data["reference"] == "resnet18"
+    assert data["ratios"] == [r.to_dict() for r in rep.ratios]
+    assert data["ratios"][0]["params"] == pytest.approx(1_828_817 / 11_173_962)
 
     lines = list(csv.DictReader(io.StringIO(rep.to_csv())))
     assert [r["name"] for r in lines] == [r.name for r in rep.rows]
@@ -382,7 +441,7 @@ def test_evaluate_recomputes_checkpoint_accuracy(
         result = SimpleNamespace(accuracy=0.125, count=2000, dataset="fashion-mnist-quickstart")
         return result, {}
 
-    monkeypatch.setattr(engine, "evaluate_checkpoint", fake)
+    monkeypatch.setattr(evaluation, "evaluate_checkpoint", fake)
     events: list[dict] = []
     on_event = events.append
     rep = compare(

@@ -98,7 +98,7 @@ GREEN = (0x2C, 0xA0, 0x2C)  # C2
 
 
 def test_metrics_file_name_matches_the_trainer() -> None:
-    from capsctl.engine import METRICS
+    from capsctl.training.run_folder import METRICS
 
     assert curves.METRICS_FILE == METRICS
 

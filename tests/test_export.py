@@ -23,11 +23,10 @@ from capsctl.checkpoint import (
     read_metadata,
     save_checkpoint,
 )
-from capsctl.config import Preset, preset_to_dict
+from capsctl.config import Preset, preset_to_dict, resolve_config
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.export import ExportResult, default_output_path, export_checkpoint
 from capsctl.models import build_model_from_config
-from capsctl.registry import resolve_config
 
 CLASSES = ["zero", "one", "two"]
 SIZE = 12
@@ -49,24 +48,29 @@ def tiny_config(**changes: Any):
     return resolve_config(spec)
 
 
-def write_tiny_checkpoint(path: Path, *, training_state: bool = True, **changes: Any) -> Path:
+def write_tiny_checkpoint(
+    path: Path, *, training_state: bool = True, dataset: str | None = None, **changes: Any
+) -> Path:
     """A tiny capsule network checkpoint, with optimizer/RNG state like the trainer's."""
     cfg = tiny_config(**changes)
     torch.manual_seed(0)
     model = build_model_from_config(cfg)
     tensors = model_tensors(model)
+    preset = Preset(name="tiny", model=cfg)
+    if dataset is not None:
+        preset.data.dataset = dataset
     metadata: dict[str, Any] = {
-        "preset": preset_to_dict(Preset(name="tiny", model=cfg)),
+        "preset": preset_to_dict(preset),
         "classes": CLASSES,
         "normalization": {"mean": [0.5], "std": [0.25]},
-        "input_size": SIZE,
+        "input_size": cfg.input_size,
         "in_channels": 1,
         "epoch": 3,
         "metrics": {"val_acc": 0.5},
     }
     if training_state:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model(torch.randn(2, 1, SIZE, SIZE)).sum().backward()
+        model(torch.randn(2, 1, cfg.input_size, cfg.input_size)).sum().backward()
         opt.step()
         tensors = model_tensors(model)
         extra, meta = pack_training_state(opt.state_dict(), None, None, capture_rng_state())
@@ -327,3 +331,87 @@ def test_parity_failure_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(CapsctlError, match=r"pt2 export does not match PyTorch: max \|diff\| = "):
         export_checkpoint(ckpt, "pt2", tolerance=1e-4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.safetensors"]
+
+
+# --------------------------------------------------------------------------------------------
+# Check images: chosen by export_checkpoint itself
+# --------------------------------------------------------------------------------------------
+
+QUICKSTART = "fashion-mnist-quickstart"  # shipped with capsctl: test images are always there
+
+
+def test_checks_on_the_test_images_of_the_checkpoint(tmp_path: Path) -> None:
+    from capsctl.data.samples import sample_images
+
+    ckpt = write_tiny_checkpoint(
+        tmp_path / "q.safetensors", training_state=False, dataset=QUICKSTART, input_size=28
+    )
+    events: list[dict[str, Any]] = []
+    result = export_checkpoint(ckpt, "safetensors", check_images=3, on_event=events.append)
+    expected = sample_images(read_metadata(ckpt), split="test", indices=[0, 1, 2])
+    assert result.checked_on == expected.description
+    assert result.checked_on.startswith("3 test images of ")
+    assert result.batch_sizes == [3, 4] and result.notes == []
+    assert result.max_abs_diff == 0.0 and result.tolerance == 0.0
+    assert "warning" not in [e["event"] for e in events]
+    assert json.loads(result.sidecar.read_text())["parity"]["checked_on"] == result.checked_on
+
+
+def test_falls_back_to_random_images_without_test_images(tmp_path: Path) -> None:
+    ckpt = write_tiny_checkpoint(tmp_path / "m.safetensors", training_state=False, dataset="mnist")
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    events: list[dict[str, Any]] = []
+    result = export_checkpoint(
+        ckpt, "safetensors", check_images=5, data_dir=str(empty), on_event=events.append
+    )
+    assert result.checked_on == "4 synthetic images" and result.batch_sizes == [4, 5]
+    (note,) = result.notes
+    assert note.startswith("checking on random images: the test images are not available (")
+    assert "\n" not in note
+    warnings = [e for e in events if e["event"] == "warning"]
+    assert [w["message"] for w in warnings] == [note]
+    assert result.to_dict()["notes"] == [note]
+
+
+def test_falls_back_when_the_test_images_do_not_fit_the_model(tmp_path: Path) -> None:
+    ckpt = write_tiny_checkpoint(
+        tmp_path / "q.safetensors", training_state=False, dataset=QUICKSTART
+    )
+    result = export_checkpoint(ckpt, "safetensors", check_images=2)
+    assert result.checked_on == "4 synthetic images"
+    (note,) = result.notes
+    assert "1 x 28 x 28 images and the model takes 1 x 12 x 12" in note
+
+
+def test_no_check_images_means_synthetic_ones(plain_ckpt: Path, tmp_path: Path) -> None:
+    result = export_checkpoint(
+        plain_ckpt, "safetensors", tmp_path / "r.safetensors", check_images=None
+    )
+    assert result.checked_on == "4 synthetic images" and result.notes == []
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_check_images_must_be_positive(plain_ckpt: Path, tmp_path: Path, count: int) -> None:
+    with pytest.raises(UsageError, match="check images must be at least 1"):
+        export_checkpoint(plain_ckpt, "safetensors", tmp_path / "r.safetensors", check_images=count)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_the_checkpoint_header_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    import capsctl.checkpoint.format as checkpoint_format
+
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny.safetensors", dataset=QUICKSTART, input_size=28)
+    reads: list[Path] = []
+    real = checkpoint_format._read_raw_header
+
+    def counted(path: Path) -> tuple[bytes, int]:
+        reads.append(Path(path))
+        return real(path)
+
+    monkeypatch.setattr(checkpoint_format, "_read_raw_header", counted)
+    result = export_checkpoint(ckpt, fmt, tmp_path / "out", check_images=2)
+    assert result.checked_on.startswith("2 test images of ")
+    assert reads.count(ckpt) == 1

@@ -279,7 +279,7 @@ def test_full_disk_keeps_the_previous_checkpoint(
     main(["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out", str(out), "--json"])
     capsys.readouterr()
     before = (out / "last.safetensors").read_bytes()
-    import capsctl.checkpoint as ck
+    import capsctl.checkpoint.format as ck
 
     def full(*a: object, **k: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -379,12 +379,50 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 120) -> 
     assert path.exists(), f"{path.name} never appeared"
 
 
-@pytest.mark.parametrize(
-    "moment", ["during set-up", "before the first validation", "after epoch 1"]
-)
+def test_sigint_while_the_data_loads_stops_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during set-up (here: while the data loads): one line, exit 130, nothing written,
+    and the same command then runs."""
+    import capsctl.training.setup as trainer
+
+    real = trainer.prepare_data
+
+    def interrupted_while_loading(*a: object, **k: object) -> object:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(trainer, "prepare_data", interrupted_while_loading)
+    out = tmp_path / "run"
+    args = ["train", "--preset", "quickstart", *TINY, "--epochs", "1", "--out", str(out), "--json"]
+    code, _, err = run_cli(capsys, args)
+    assert code == 130 and "interrupted before training started" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (out / "last.safetensors").exists() and not (out / "metrics.jsonl").exists()
+    monkeypatch.setattr(trainer, "prepare_data", real)
+    code, _, err = run_cli(capsys, args)
+    assert code == 0, err
+
+
+def test_ctrl_c_before_training_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KeyboardInterrupt before training installs its handler (e.g. while torch imports) is
+    one line and exit 130, not a silent 0."""
+    import capsctl.training as training
+
+    def ctrl_c(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "train_from_preset", ctrl_c)
+    code, _, err = run_cli(capsys, ["train", "--preset", "quickstart"])
+    assert code == 130 and err.strip() == "interrupted"
+
+
+@pytest.mark.parametrize("moment", ["before the first validation", "after epoch 1"])
 def test_sigint_at_any_moment_leaves_a_run_that_continues(tmp_path: Path, moment: str) -> None:
-    """Ctrl-C while the data loads, in the middle of the first epoch (nothing validated yet, no
-    best epoch) and after an epoch: one line, exit 130, whole files, and the run then finishes."""
+    """Ctrl-C in the middle of the first epoch (nothing validated yet, no best epoch) and after
+    an epoch: one line, exit 130, whole files, and the run then finishes."""
     out = tmp_path / "run"
     cmd = _cmd(out, False)
     epochs = EPOCHS
@@ -395,10 +433,7 @@ def test_sigint_at_any_moment_leaves_a_run_that_continues(tmp_path: Path, moment
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
     )
-    if moment == "during set-up":
-        time.sleep(1.0)  # importing torch or loading the data
-        assert proc.poll() is None and not (out / "preset.yaml").exists()
-    elif moment == "before the first validation":
+    if moment == "before the first validation":
         _wait_for(out / "preset.yaml", proc)  # written just before the first step
         time.sleep(1.0)
     else:
@@ -407,21 +442,14 @@ def test_sigint_at_any_moment_leaves_a_run_that_continues(tmp_path: Path, moment
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert len(err.strip().splitlines()) == 1, err
-    if out.exists():
-        _check_final_files(out)
-    resumable = (out / "last.safetensors").exists()
-    if moment == "during set-up":
-        assert not resumable and "interrupted" in err
-    else:
-        assert resumable and "--resume" in err
+    _check_final_files(out)
+    assert (out / "last.safetensors").exists() and "--resume" in err
     if moment == "before the first validation":
         meta = read_metadata(out / "last.safetensors")
         assert meta["epoch"] == 0 and meta["partial"]["step"] >= 1
         assert meta["best"] == {"epoch": None, "val_accuracy": None}
         assert not (out / "metrics.jsonl").exists()
-    res = subprocess.run(
-        _cmd(out, resumable), capture_output=True, text=True, env=_env(), timeout=300
-    )
+    res = subprocess.run(_cmd(out, True), capture_output=True, text=True, env=_env(), timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["epochs_done"] == epochs
     _check_final_files(out)

@@ -27,11 +27,10 @@ from capsctl.checkpoint import (
     save_checkpoint,
 )
 from capsctl.cli import main
-from capsctl.config import Preset, preset_to_dict
+from capsctl.config import Preset, preset_to_dict, resolve_config
 from capsctl.errors import CapsctlError, CheckpointError, UsageError
 from capsctl.export import export_checkpoint
 from capsctl.models import build_model_from_config
-from capsctl.registry import resolve_config
 
 CLASSES = ["zero", "one", "two"]
 SIZE = 12
@@ -390,16 +389,16 @@ def test_overwrite_never_replaces_the_folder_holding_the_checkpoint(tmp_path: Pa
 def test_parity_failure_writes_nothing(
     exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import capsctl.hub as hub
+    import capsctl.export.hf as hf_export
 
     ckpt, _ = exported
-    real = hub._weights_bytes
+    real = hf_export._weights_bytes
 
     def perturbed(state: dict[str, torch.Tensor], path: Path) -> bytes:
         name = next(k for k, v in state.items() if v.is_floating_point() and v.numel() > 1)
         return real({**state, name: state[name] * 1.5}, path)
 
-    monkeypatch.setattr(hub, "_weights_bytes", perturbed)
+    monkeypatch.setattr(hf_export, "_weights_bytes", perturbed)
     with pytest.raises(CapsctlError, match=r"hf export does not match PyTorch"):
         export_checkpoint(ckpt, "hf", tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

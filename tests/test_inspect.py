@@ -1,4 +1,4 @@
-"""Tests for capsctl.inspect_routing: statistics, JSON, raw dumps and pictures."""
+"""Tests for capsctl.inspection: statistics, JSON, raw dumps, pictures and the checkpoint call."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from capsctl.checkpoint import model_tensors, save_checkpoint
+from capsctl.config import resolve_config
 from capsctl.errors import CapsctlError, UsageError
-from capsctl.inspect_routing import (
+from capsctl.inspection import (
     RoutingReport,
     class_flow,
+    dump_coefficients,
+    inspect_checkpoint,
     inspect_routing,
+    parse_indices,
     spatial_map,
     write_pngs,
 )
 from capsctl.models import build_model_from_config
-from capsctl.registry import resolve_config
 
 CLASSES = ["cat", "dog", "ému"]
 SIZE = 12
@@ -250,7 +254,7 @@ def test_json_round_trip(model) -> None:
 
 def test_dump_keys_and_shapes(model, tmp_path: Path) -> None:
     report = inspect_routing(model, batch(2), classes=CLASSES, iterations=3, routing="sequential")
-    path = report.dump(tmp_path / "routing.safetensors")
+    path = dump_coefficients(report, tmp_path / "routing.safetensors")
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
         assert keys == {f"layer{li}.iter{t}" for li in range(2) for t in (1, 2, 3)}
@@ -263,7 +267,7 @@ def test_dump_keys_and_shapes(model, tmp_path: Path) -> None:
     assert json.loads(meta["child_grids"]) == [None, [4, 4, 4]]
     assert [p.name for p in tmp_path.iterdir()] == ["routing.safetensors"]
     with pytest.raises(CapsctlError, match="does not exist"):
-        report.dump(tmp_path / "missing" / "r.safetensors")
+        dump_coefficients(report, tmp_path / "missing" / "r.safetensors")
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,6 +327,96 @@ def test_write_pngs_needs_matplotlib(model, tmp_path: Path, monkeypatch) -> None
     with pytest.raises(CapsctlError, match=r"pip install 'capsctl\[plot\]'"):
         write_pngs(report, display(batch(1)), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint call (capsctl inspect-routing)
+# --------------------------------------------------------------------------------------------
+
+
+def save_tiny_checkpoint(model: torch.nn.Module, path: Path) -> Path:
+    meta = {
+        "preset": {"model": model.config.to_dict()},
+        "classes": CLASSES,
+        "in_channels": 1,
+        "input_size": SIZE,
+        "normalization": {"mean": [0.5], "std": [0.25]},
+    }
+    save_checkpoint(path, model_tensors(model), meta)
+    return path
+
+
+def test_inspect_checkpoint_is_inspect_routing_on_the_sampled_images(model, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    events: list[dict[str, Any]] = []
+    result = inspect_checkpoint(
+        ckpt,
+        random=2,
+        seed=3,
+        iterations=3,
+        routing="sequential",
+        top=2,
+        dump=tmp_path / "coeffs.safetensors",
+        png_dir=tmp_path / "png",
+        on_event=events.append,
+    )
+    # the same images by hand: seeded uint8 noise, then (x / 255 - mean) / std
+    raw = torch.randint(
+        0, 256, (2, 1, SIZE, SIZE), generator=torch.Generator().manual_seed(3), dtype=torch.uint8
+    )
+    expected = inspect_routing(
+        model,
+        (raw.float() / 255.0 - 0.5) / 0.25,
+        classes=CLASSES,
+        iterations=3,
+        routing="sequential",
+        top=2,
+    )
+    doc = result.to_dict()
+    assert list(doc) == [
+        "checkpoint",
+        "inputs",
+        "iterations",
+        "routing",
+        "classes",
+        "layers",
+        "images",
+        "written",
+    ]
+    assert doc["checkpoint"] == str(ckpt) and doc["inputs"] == "2 random images (seed 3)"
+    assert {k: doc[k] for k in expected.to_dict()} == expected.to_dict()
+    assert torch.equal(result.raw_images, raw)
+    assert result.layers == expected.layers and result.images == expected.images
+    assert (result.iterations, result.routing, result.classes) == (3, "sequential", CLASSES)
+    pictures = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert doc["written"][0] == str(tmp_path / "coeffs.safetensors")
+    assert sorted(Path(w).name for w in doc["written"][1:]) == pictures
+    assert len(pictures) == 2 * 3 + 2  # 2 layers x 3 iterations, 2 overlays
+    progress = [(e["step"], e["steps"]) for e in events if e.get("task") == "pictures"]
+    assert progress == [(k, 8) for k in range(1, 9)]
+    assert all(e["event"] == "progress" for e in events)
+
+
+def test_inspect_checkpoint_errors(model, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="no such file"):
+        inspect_checkpoint(tmp_path / "missing.safetensors")
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    with pytest.raises(UsageError, match="choose one of --indices, --image and --random"):
+        inspect_checkpoint(ckpt, indices="0-1", random=2)
+    with pytest.raises(UsageError, match="top must be >= 1"):
+        inspect_checkpoint(ckpt, random=1, top=0)
+    cnn = save_tiny_checkpoint(make_model(arch="cnn"), tmp_path / "cnn.safetensors")
+    with pytest.raises(UsageError, match="needs a capsule network"):
+        inspect_checkpoint(cnn, random=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.safetensors", "tiny.safetensors"]
+
+
+def test_parse_indices() -> None:
+    assert parse_indices("0,3,10-12") == [0, 3, 10, 11, 12]
+    assert parse_indices(" 4 , 2-2,") == [4, 2]
+    with pytest.raises(UsageError, match="--indices 1,x: expected numbers and ranges"):
+        parse_indices("1,x")
 
 
 # --------------------------------------------------------------------------------------------

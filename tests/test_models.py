@@ -10,9 +10,10 @@ import torch
 
 import capsctl
 from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
+from capsctl.config import resolve_config
 from capsctl.errors import ConfigError
 from capsctl.models import parameter_counts
-from capsctl.registry import get_config, list_models, resolve_config
+from capsctl.registry import get_config, list_models
 
 EXPECTED_PARAMS = {
     ("cifar10-caps", None): 1_828_817,
@@ -133,7 +134,7 @@ def test_cnn_baseline_widths_follow_the_capsule_head() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-class head and the ablation knobs (REFERENCE.md §1), checked against the equations
+# Per-class head and the ablation knobs (Tsai et al., ICLR 2020), checked against the equations
 
 KNOBS_MODEL = {
     "base": "mnist-caps",

@@ -17,9 +17,10 @@ from capsctl.data.multimnist import (
     diverse_multimnist,
 )
 from capsctl.data.prepare import prepare_data
-from capsctl.engine import evaluate, fit
 from capsctl.errors import DataError
+from capsctl.evaluation import evaluate
 from capsctl.losses import multi_hot, top2_correct
+from capsctl.training import fit
 
 
 def fake_mnist(n: int = 300) -> ArrayDataset:

@@ -15,14 +15,13 @@ from tiny import tiny_args
 
 from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
 from capsctl.cli import main
-from capsctl.config import DataConfig, Preset, TrainConfig, preset_to_dict
+from capsctl.config import DataConfig, Preset, TrainConfig, preset_to_dict, resolve_config
 from capsctl.data import ArrayDataset, load_dataset
 from capsctl.data.images import expand_image_paths, load_image, read_image_file
-from capsctl.engine import evaluate
 from capsctl.errors import DataError, UsageError
+from capsctl.evaluation import evaluate
 from capsctl.models import build_model_from_config
 from capsctl.predict import predict_images
-from capsctl.registry import resolve_config
 
 Image = pytest.importorskip("PIL.Image")
 

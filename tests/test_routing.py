@@ -1,8 +1,10 @@
 """Capsule layers and routing against a naive loop reference written from the equations.
 
-REFERENCE.md §1-2: votes ``V_ij = P_i @ W_ij`` (matrix) or ``W_ij p_i`` (vector); agreement
-``<p_j, V_ij> / sqrt(D)``; ``r_ij = softmax over parents j``; ``p_j = LayerNorm(sum_i r_ij V_ij)``;
-first pass uniform; concurrent and sequential schedules.
+Tsai, Srivastava, Goh, Salakhutdinov, "Capsules with Inverted Dot-Product Attention Routing"
+(ICLR 2020, arXiv:2002.04764), as the authors' code computes it: votes ``V_ij = P_i @ W_ij``
+(matrix) or ``W_ij p_i`` (vector); agreement ``<p_j, V_ij> / sqrt(D)``; ``r_ij = softmax over
+parents j``; ``p_j = LayerNorm(sum_i r_ij V_ij)``; first pass uniform; concurrent and sequential
+schedules.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from capsctl.layers.capsules import ConvCapsules, FCCapsules
-from capsctl.layers.routing import RoutedPass, routed_pass, routed_pass_reference
+from capsctl.layers.routing import ChunkedRoutedPass, routed_pass, routed_pass_reference
 from capsctl.models.capsnet import CapsNet
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
@@ -200,7 +202,9 @@ def test_routed_pass_gradcheck(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(5, 4, 2, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 3, 3, 2, dtype=torch.float64, requires_grad=True)
     p = torch.randn(4, 3, 2, 2, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w, p: RoutedPass.apply(x, w, p, 0.7)[0], (x, w, p))
+    assert torch.autograd.gradcheck(
+        lambda x, w, p: ChunkedRoutedPass.apply(x, w, p, 0.7)[0], (x, w, p)
+    )
 
 
 def test_conv_layer_gradcheck() -> None:
@@ -240,7 +244,8 @@ def tiny_config(
 
 
 def naive_model(model: CapsNet, x: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """The schedule of REFERENCE.md §2 with the naive layers and no skipped passes."""
+    """The concurrent or sequential schedule (Tsai et al. 2020) with the naive layers and no
+    skipped passes."""
     child = model.primary(model.backbone(x))
     layers = list(model.capsules)
     big_t = model.iterations
@@ -448,7 +453,9 @@ def test_routed_pass_never_modifies_its_inputs(
 def test_routed_pass_gradcheck_in_any_layout(m: int, layout: str) -> None:
     torch.manual_seed(12)
     x, w, p = (t.requires_grad_(True) for t in _pass_inputs(m, layout))
-    assert torch.autograd.gradcheck(lambda x, w, p: RoutedPass.apply(x, w, p, 0.7)[0], (x, w, p))
+    assert torch.autograd.gradcheck(
+        lambda x, w, p: ChunkedRoutedPass.apply(x, w, p, 0.7)[0], (x, w, p)
+    )
 
 
 def one_type_config(pose: str, fc_after: bool) -> ModelConfig:

@@ -28,16 +28,11 @@ import torch
 
 from capsctl.config import load_preset
 from capsctl.errors import ConfigError
+from capsctl.layers.dynamic_routing import DynamicCapsules
+from capsctl.layers.em_routing import EMCapsules
 from capsctl.losses import margin_loss, spread_loss
 from capsctl.models.capsnet import RoutingTrace
-from capsctl.models.routing_baselines import (
-    DynamicCapsNet,
-    DynamicCapsules,
-    EMCapsNet,
-    EMCapsules,
-    dynamic_config,
-    em_config,
-)
+from capsctl.models.routing_baselines import DynamicCapsNet, EMCapsNet, dynamic_config, em_config
 from capsctl.registry import get_config, list_models
 
 # Constants of the references, typed from the sources above (never read from the code).

@@ -43,21 +43,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from capsctl.data.loader import Loader
     from capsctl.data.sources import find_test_files, load_dataset, resolve_data_dir
 
-_LAZY = {
-    "ArrayDataset": "capsctl.data.dataset",
-    "fingerprint": "capsctl.data.dataset",
-    "split_train_val": "capsctl.data.dataset",
-    "Loader": "capsctl.data.loader",
-    "find_test_files": "capsctl.data.sources",
-    "load_dataset": "capsctl.data.sources",
-    "resolve_data_dir": "capsctl.data.sources",
-}
-
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'capsctl.data' has no attribute {name!r}")
-    import importlib
+    """The names that need torch, imported on first use."""
+    if name in ("ArrayDataset", "fingerprint", "split_train_val"):
+        from capsctl.data import dataset
 
-    return getattr(importlib.import_module(module), name)
+        return getattr(dataset, name)
+    if name == "Loader":
+        from capsctl.data.loader import Loader
+
+        return Loader
+    if name in ("find_test_files", "load_dataset", "resolve_data_dir"):
+        from capsctl.data import sources
+
+        return getattr(sources, name)
+    raise AttributeError(f"module 'capsctl.data' has no attribute {name!r}")

@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from capsctl.errors import DataError
+from capsctl.events import EventFn, emit
 
 __all__ = [
     "CIFAR_ARCHIVES",
@@ -25,8 +26,6 @@ __all__ = [
     "extract_tar",
     "md5_of",
 ]
-
-EventCallback = Callable[[dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class _DownloadFailed(Exception):
     """One mirror failed; the message says why."""
 
 
-def _fetch(url: str, dest: Path, expected_md5: str, on_event: EventCallback | None) -> None:
+def _fetch(url: str, dest: Path, expected_md5: str, on_event: EventFn) -> None:
     """Download ``url`` to ``dest`` via a temporary file in the same folder; check the md5."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     tmp = Path(tmp_name)
@@ -108,8 +107,7 @@ def _fetch(url: str, dest: Path, expected_md5: str, on_event: EventCallback | No
                 length = resp.headers.get("Content-Length") if resp.headers else None
                 total = int(length) if length and str(length).isdigit() else None
                 done = 0
-                if on_event:
-                    on_event({"event": "download", "url": url, "done": 0, "total": total})
+                emit(on_event, "download", url=url, done=0, total=total)
                 while True:
                     block = resp.read(_BLOCK)
                     if not block:
@@ -117,8 +115,7 @@ def _fetch(url: str, dest: Path, expected_md5: str, on_event: EventCallback | No
                     out.write(block)
                     h.update(block)
                     done += len(block)
-                    if on_event:
-                        on_event({"event": "download", "url": url, "done": done, "total": total})
+                    emit(on_event, "download", url=url, done=done, total=total)
         except (OSError, ValueError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", None) or e
             raise _DownloadFailed(f"{url}: {reason}") from None
@@ -136,7 +133,7 @@ def download_file(
     *,
     looked_in: Sequence[str | Path] = (),
     what: str = "the dataset",
-    on_event: EventCallback | None = None,
+    on_event: EventFn = None,
 ) -> Path:
     """Download ``remote`` into ``dest_dir`` (created if needed) and return the file's path.
 
@@ -168,8 +165,7 @@ def download_file(
         except OSError as e:  # e.g. cannot create the temporary file (read-only folder)
             reasons.append(f"{url}: cannot write into {dest_dir}: {e.strerror or e}")
             continue
-        if on_event:
-            on_event({"event": "downloaded", "url": url, "path": str(dest)})
+        emit(on_event, "downloaded", url=url, path=str(dest))
         return dest
     raise DataError(
         f"could not download {what} ({'; '.join(reasons)}); looked in: {where}; download "
@@ -205,9 +201,7 @@ def _safe_member_path(dest: Path, member: tarfile.TarInfo, archive: Path) -> Pat
     return target
 
 
-def extract_tar(
-    archive: str | Path, dest: str | Path, *, on_event: EventCallback | None = None
-) -> list[Path]:
+def extract_tar(archive: str | Path, dest: str | Path, *, on_event: EventFn = None) -> list[Path]:
     """Extract a (possibly compressed) tar archive into ``dest``, refusing anything unsafe.
 
     Only regular files and folders are extracted; absolute names, ``..`` components, links
@@ -237,8 +231,7 @@ def extract_tar(
                     shutil.copyfileobj(src, out, _BLOCK)
                 os.replace(tmp, target)
                 written.append(target)
-                if on_event:
-                    on_event({"event": "extract", "path": str(target)})
+                emit(on_event, "extract", path=str(target))
     except (tarfile.TarError, EOFError) as e:
         raise DataError(
             f"cannot extract {archive} ({e}); delete it and download it again"

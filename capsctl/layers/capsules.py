@@ -1,48 +1,38 @@
-"""Capsule layers: primary capsules, convolutional and fully connected capsule layers.
+"""Capsule layers of inverted dot-product attention routing (Tsai et al., ICLR 2020,
+arXiv:2002.04764): primary capsules, convolutional and fully connected capsule layers.
 
-Pose layouts used throughout capsctl (letters as in REFERENCE.md §1):
+Pose layouts used throughout capsctl (letters as in capsctl/layers/routing.py):
 
 - grid poses ``[b, h, w, n, d]`` (capsule types last, channel-last like the authors' code),
 - flat poses ``[b, n, d]`` (an FC layer flattens a grid as ``(h, w, n)``).
 
-A pose of dim ``d`` is a vector, or for *matrix poses* an ``s x s`` matrix with ``d = s*s``.
-Votes: matrix poses use ``V = P @ W`` (the pose multiplied on the right by an ``s x s`` weight,
-as the authors' code does; the paper writes the left product); vector poses use
-``v = W p``. Both are written as one product: a child pose is an ``a x x`` matrix (``a = s`` rows
-for matrix poses, ``a = 1`` for vectors), a weight is ``x x c``, a vote is ``a x c``.
+A pose of dim ``d`` is a vector, or for *matrix poses* an ``s x s`` matrix with ``d = s*s``
+(capsctl/layers/poses.py). Votes: matrix poses use ``V = P @ W`` (the pose multiplied on the
+right by an ``s x s`` weight, as the authors' code does; the paper writes the left product);
+vector poses use ``v = W p``. Both are written as one product: a child pose is an ``a x x``
+matrix (``a = s`` rows for matrix poses, ``a = 1`` for vectors), a weight is ``x x c``, a vote is
+``a x c``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsctl.layers.routing import routed_pass as _routed_pass
+from capsctl.layers.poses import PoseKind, pose_shape
+from capsctl.layers.routing import routed_pass
 
 
-def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """The routed pass in float32, also under autocast (its buffers and softmax stay float32)."""
+def routed_pass_in_float32(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`~capsctl.layers.routing.routed_pass` in float32, also under autocast (its buffers
+    and softmax stay float32)."""
     if torch.is_autocast_enabled(x.device.type):
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return _routed_pass(x.float(), w.float(), p.float(), scale)
-    return _routed_pass(x, w, p, scale)
-
-
-PoseKind = Literal["matrix", "vector"]
-
-
-def pose_shape(dim: int, kind: PoseKind) -> tuple[int, int]:
-    """``(a, x)``: rows and columns of a pose of ``dim`` entries read as a matrix."""
-    if kind == "vector":
-        return 1, dim
-    s = math.isqrt(dim)
-    if s * s != dim:
-        raise ValueError(f"matrix poses need a square pose dim, got {dim}")
-    return s, s
+            return routed_pass(x.float(), w.float(), p.float(), scale)
+    return routed_pass(x, w, p, scale)
 
 
 class PrimaryCapsules(nn.Module):
@@ -154,9 +144,8 @@ class FCCapsules(CapsuleLayer):
         b = x.shape[0]
         n, m, a = self.in_types, self.out_types, self.rows
         xm = x.view(b, n, a, self.cols_in).transpose(1, 2)  # [b, a, n, x]
-        s = xm.reshape(b * a, n * self.cols_in) @ self.weight.reshape(
-            n * self.cols_in, -1
-        )  # [b*a, m*c]
+        wm = self.weight.reshape(n * self.cols_in, m * self.cols_out)  # [n*x, m*c]
+        s = xm.reshape(b * a, n * self.cols_in) @ wm  # [b*a, n*x] @ [n*x, m*c] -> [b*a, m*c]
         s = s.view(b, a, m, self.cols_out).transpose(1, 2)  # [b, m, a, c]
         s = s.reshape(b, m, self.out_dim) * (1.0 / m)  # [b, m, d]
         return self.finish(s)
@@ -168,7 +157,7 @@ class FCCapsules(CapsuleLayer):
         n, m, a = self.in_types, self.out_types, self.rows
         xj = x.view(b, n, a, self.cols_in).permute(1, 0, 2, 3)  # [J=n, B=b, a, x]
         p = parent.reshape(b, m, a, self.cols_out)  # [B=b, m, a, c]
-        s, r = routed_pass(xj, self.weight, p, self.scale)  # [b, m, a, c], [n, b, m]
+        s, r = routed_pass_in_float32(xj, self.weight, p, self.scale)  # [b, m, a, c], [n, b, m]
         return self.finish(s.reshape(b, m, self.out_dim)), r.permute(1, 0, 2)  # [b, n, m]
 
     def uniform_coefficients(self, child: Tensor) -> Tensor:
@@ -219,9 +208,8 @@ class ConvCapsules(CapsuleLayer):
         inp = child.view(b, hh, ww, n, a, xd).permute(0, 4, 3, 5, 1, 2)  # [b, a, n, x, H, W]
         inp = inp.reshape(b * a, n * xd, hh, ww)  # [b*a, n*x, H, W]
         k = self.kernel
-        wconv = self.weight.permute(4, 5, 2, 3, 0, 1).reshape(
-            m * c, n * xd, k, k
-        )  # [m*c, n*x, k, l]
+        wconv = self.weight.permute(4, 5, 2, 3, 0, 1)  # [m, c, n, x, k, l]
+        wconv = wconv.reshape(m * c, n * xd, k, k)  # [m*c, n*x, k, l]
         y = F.conv2d(inp, wconv, stride=self.stride)  # [b*a, m*c, h, w]
         h, w = y.shape[-2:]
         y = y.view(b, a, m, c, h, w).permute(0, 4, 5, 2, 1, 3)  # [b, h, w, m, a, c]
@@ -246,7 +234,7 @@ class ConvCapsules(CapsuleLayer):
         xj, h, w = self._windows(child)
         wj = self.weight.reshape(k * k * n, self.cols_in, m, self.cols_out)  # [J, x, m, c]
         p = parent.reshape(b * h * w, m, self.rows, self.cols_out)  # [B, m, a, c]
-        s, r = routed_pass(xj, wj, p, self.scale)  # [B, m, a, c], [J, B, m]
+        s, r = routed_pass_in_float32(xj, wj, p, self.scale)  # [B, m, a, c], [J, B, m]
         out = self.finish(s.reshape(b, h, w, m, self.out_dim))  # [b, h, w, m, d]
         coeffs = r.view(k, k, n, b, h, w, m).permute(3, 4, 5, 0, 1, 2, 6)  # [b, h, w, k, l, n, m]
         return out, coeffs

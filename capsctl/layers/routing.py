@@ -1,8 +1,18 @@
 """The routed pass of inverted dot-product attention routing, without the vote tensor.
 
-Letters (REFERENCE.md §1): ``b`` batch, ``n`` child capsule types, ``m`` parent capsule types,
-``a``/``x`` rows/cols of a child pose matrix, ``c`` cols of a parent pose matrix (the parent pose
-dim is ``d = a*c``), ``h,w`` output positions, ``k,l`` kernel offsets.
+The method is Tsai, Srivastava, Goh, Salakhutdinov, "Capsules with Inverted Dot-Product
+Attention Routing" (ICLR 2020, arXiv:2002.04764): a child's votes are weighted by a softmax over
+the *parents* of the dot products of its votes with the parents' poses of the previous iteration.
+
+Letters, used in shape comments throughout capsctl:
+
+- ``b`` batch items,
+- ``n`` child capsule types, ``m`` parent capsule types,
+- ``a``/``x`` rows/cols of a child pose matrix (``a = 1`` for vector poses),
+  ``c`` cols of a parent pose matrix,
+- ``d`` pose dim (a parent pose has ``d = a*c`` entries, a child pose ``a*x``),
+- ``h,w`` output positions of a conv capsule layer (``H,W`` its input grid),
+- ``k,l`` kernel offsets (rows and cols of a ``k x k`` window).
 
 Both kinds of capsule layer reduce to one problem. Flatten every *parent site* (a batch item for
 an FC layer, a batch item at one output position for a conv layer) into ``B`` and every child
@@ -17,8 +27,18 @@ Votes are ``V[J, B, a, m, c] = sum_x X[J, B, a, x] W[J, x, m, c]``, the agreemen
 coefficients sum to one over the parents at that site), and the result is
 ``S[B, m, a, c] = sum_J R * V``. The caller applies dropout and LayerNorm to ``S``.
 
-The vote tensor is never kept: :class:`RoutedPass` walks over ``B`` in chunks small enough to
-stay in cache, keeps only the coefficients ``R`` (``1/d`` of the votes' size) and recomputes the
+Given ``G = d loss / d S``, the backward pass is (sums over ``a, c`` written over ``d``):
+``dR = sum_d V * G``; ``dA = R * (dR - sum_m R * dR)`` (the softmax's backward);
+``dV = R * G + scale * dA * P``; ``dP = scale * sum_J dA * V``; ``dX = dV W^T`` and
+``dW = X^T dV`` summed over ``B``.
+
+Three implementations of the same math sit side by side: :func:`routed_pass_reference` (einsum
+over the full vote tensor; tests), :func:`routed_pass_dense` (one expression over the whole
+batch; tracing and ``torch.compile``) and :class:`ChunkedRoutedPass` (eager autograd, the
+default). :func:`routed_pass` picks one.
+
+The chunked pass never keeps the vote tensor: it walks over ``B`` in chunks small enough to stay
+in cache, keeps only the coefficients ``R`` (``1/d`` of the votes' size) and recomputes the
 votes of each chunk in the backward pass.
 
 No input of the routed pass (``X``, ``W``, ``P``, nor the incoming gradient) is ever written to,
@@ -149,7 +169,8 @@ def _prepare(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     return x.contiguous(), wc
 
 
-def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``S[B, m, a, c]`` and ``R[J, B, m]``, tile by tile (no autograd)."""
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
@@ -171,12 +192,122 @@ def _forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Ten
     return _parent_major(s, a, c), r
 
 
-class RoutedPass(torch.autograd.Function):
+class _Gradients:
+    """Gradient accumulators of the chunked backward pass, in the layouts its products write.
+
+    ``gxt[J, x, B*a]``: d loss / d X transposed (the product ``[x, c*m] @ [c*m, Bc*a]`` runs
+    faster than its transpose); ``gw[J, x, c*m]``; ``gp[B, d, m]`` before the agreement's scale.
+    Each is None when its input needs no gradient. ``gx_tile``: a scratch tile for ``gxt`` when a
+    tile of sites is not a contiguous slice of it (``Bc < B``).
+    """
+
+    def __init__(
+        self, x: Tensor, wc: Tensor, d: int, m: int, bc: int, jc: int, needs: tuple[bool, ...]
+    ) -> None:
+        j, bsz, a, xd = x.shape
+        need_x, need_w, need_p = needs[:3]
+        self.gxt = x.new_empty(j, xd, bsz * a) if need_x else None  # [J, x, B*a]
+        self.gw = torch.zeros_like(wc) if need_w else None  # [J, x, c*m]
+        self.gp = x.new_zeros(bsz, d, m) if need_p else None  # [B, d, m]
+        self.gx_tile = x.new_empty(jc * xd * bc * a) if need_x and bc < bsz else None
+
+    def of_inputs(self, a: int, c: int, scale: float) -> tuple[Tensor | None, ...]:
+        """The gradients of ``X[J, B, a, x]``, ``W[J, x, m, c]`` and ``P[B, m, a, c]``."""
+        gx = gw = gp = None
+        if self.gxt is not None:
+            j, xd, ba = self.gxt.shape
+            # a strided view is a valid gradient: no copy back to [J, B, a, x]
+            gx = self.gxt.view(j, xd, ba // a, a).permute(0, 2, 3, 1)  # [J, B, a, x]
+        if self.gw is not None:
+            j, xd, cm = self.gw.shape
+            gw = self.gw.view(j, xd, c, cm // c).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+        if self.gp is not None:
+            gp = _parent_major(self.gp.mul_(scale), a, c)  # [B, m, a, c]
+        return gx, gw, gp
+
+
+def _tile_backward(
+    buf: _Chunk,
+    xc: Tensor,
+    wct: Tensor,
+    rc: Tensor,
+    gqc: Tensor,
+    pqc: Tensor,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
+    gx_tile: Tensor | None,
+) -> None:
+    """One ``(Jc, Bc)`` tile of the backward pass.
+
+    ``xc[Jc, Bc, a, x]``, ``wct[Jc, x, c*m]``, ``rc[Jc, Bc, m]``, ``gqc[Bc, d, m]`` (d loss / d S),
+    ``pqc[Bc, d, m]`` (``scale * P``); ``grads``: the tile's slices of the accumulators
+    ``(gx[Jc, x, Bc*a], gw[Jc, x, c*m], gp[Bc, d, m])``, written to (gx) or added to (gw, gp).
+    """
+    gxc, gwc, gpc = grads
+    tj, tb, a, xd = xc.shape
+    cm = wct.shape[2]
+    v = buf.votes(xc, wct)  # [Jc, Bc, d, m]
+    # d loss / d logits, without the scale (folded into pq and gp)
+    da = buf.softmax_backward(rc, buf.dot_d(v, gqc))  # [Jc, Bc, m]
+    if gpc is not None:
+        buf.sum_j(gpc, v, da)
+    if gxc is None and gwc is None:
+        return
+    gv = torch.mul(rc.unsqueeze(2), gqc, out=v)  # [Jc, Bc, d, m]
+    gv.addcmul_(da.unsqueeze(2), pqc)  # [Jc, Bc, d, m]
+    gv = gv.view(tj, tb * a, cm)  # [Jc, Bc*a, c*m]
+    if gxc is not None:
+        gvt = gv.transpose(1, 2)  # [Jc, c*m, Bc*a]
+        if gx_tile is None:
+            torch.bmm(wct, gvt, out=gxc)  # [Jc, x, Bc*a]
+        else:
+            tile = gx_tile[: tj * xd * tb * a].view(tj, xd, tb * a)  # [Jc, x, Bc*a]
+            gxc.copy_(torch.bmm(wct, gvt, out=tile))  # [Jc, x, Bc*a]
+    if gwc is not None:
+        xct = xc.reshape(tj, tb * a, xd).transpose(1, 2)  # [Jc, x, Bc*a]
+        gwc.baddbmm_(xct, gv)  # [Jc, x, c*m]
+
+
+def _chunked_backward(
+    x: Tensor, w: Tensor, p: Tensor, r: Tensor, gs: Tensor, scale: float, needs: tuple[bool, ...]
+) -> tuple[Tensor | None, ...]:
+    """Gradients of ``X``, ``W`` and ``P`` from ``gs = d loss / d S``, recomputing the votes
+    tile by tile. ``needs``: which of the three need a gradient."""
+    j, bsz, a, _ = x.shape
+    m, c = w.shape[2], w.shape[3]
+    d = a * c
+    x, wc = _prepare(x, w)
+    pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
+    gq = _site_major(gs)  # [B, d, m]
+    jc, bc = _tiles(j, bsz, m, d, x.element_size())
+    buf = _Chunk(x, jc, bc, a, d, m)
+    acc = _Gradients(x, wc, d, m, bc, jc, needs)
+    # per-child operands split once (one call each, not one slice per tile)
+    wcs = wc.split(jc)  # [Jc, x, c*m] each
+    gws = acc.gw.split(jc) if acc.gw is not None else None  # [Jc, x, c*m] each
+    for b0 in range(0, bsz, bc):
+        b1 = min(bsz, b0 + bc)
+        gqc, pqc = gq[b0:b1], pq[b0:b1]  # [Bc, d, m]
+        gpc = acc.gp[b0:b1] if acc.gp is not None else None  # [Bc, d, m]
+        rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+        gxs = None
+        if acc.gxt is not None:
+            gxs = acc.gxt[:, :, b0 * a : b1 * a].split(jc)  # [Jc, x, Bc*a] each
+        for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
+            grads = (
+                gxs[t] if gxs is not None else None,
+                gws[t] if gws is not None else None,
+                gpc,
+            )
+            _tile_backward(buf, xc, wcs[t], rs[t], gqc, pqc, grads, acc.gx_tile)
+    return acc.of_inputs(a, c, scale)
+
+
+class ChunkedRoutedPass(torch.autograd.Function):
     """Autograd function for one routed pass; recomputes votes chunk by chunk in backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        s, r = _forward(x, w, p, scale)
+        s, r = _chunked_forward(x, w, p, scale)
         ctx.save_for_backward(x, w, p, r)
         ctx.scale = scale
         ctx.mark_non_differentiable(r)
@@ -188,66 +319,8 @@ class RoutedPass(torch.autograd.Function):
         if gs is None:
             return None, None, None, None
         x, w, p, r = ctx.saved_tensors
-        scale: float = ctx.scale
-        j, bsz, a, xd = x.shape
-        m, c = w.shape[2], w.shape[3]
-        d = a * c
-        x, wc = _prepare(x, w)
-        pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
-        gq = _site_major(gs)  # [B, d, m]
-        need_x, need_w, need_p = ctx.needs_input_grad[:3]
-        # d loss / d X transposed: the product [x, c*m] @ [c*m, Bc*a] runs faster than its transpose
-        gxt = x.new_empty(j, xd, bsz * a) if need_x else None  # [J, x, B*a]
-        gw = torch.zeros_like(wc) if need_w else None  # [J, x, c*m]
-        gp = x.new_zeros(bsz, d, m) if need_p else None  # [B, d, m], before the scale
-        jc, bc = _tiles(j, bsz, m, d, x.element_size())
-        buf = _Chunk(x, jc, bc, a, d, m)
-        gxbuf = x.new_empty(jc * xd * bc * a) if need_x and bc < bsz else None
-        # per-child operands split once (one call each, not one slice per tile)
-        wcs = wc.split(jc)  # [Jc, x, c*m] each
-        gws = gw.split(jc) if gw is not None else None  # [Jc, x, c*m] each
-        for b0 in range(0, bsz, bc):
-            b1 = min(bsz, b0 + bc)
-            tb = b1 - b0
-            gqc, pqc = gq[b0:b1], pq[b0:b1]  # [Bc, d, m]
-            gpc = gp[b0:b1] if gp is not None else None  # [Bc, d, m]
-            xs = x[:, b0:b1].split(jc)  # [Jc, Bc, a, x] each
-            rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
-            gxs = gxt[:, :, b0 * a : b1 * a].split(jc) if gxt is not None else None  # [Jc, x, Bc*a]
-            for t, xc in enumerate(xs):
-                tj = xc.shape[0]
-                wct = wcs[t]  # [Jc, x, c*m]
-                v = buf.votes(xc, wct)  # [Jc, Bc, d, m]
-                rc = rs[t]  # [Jc, Bc, m]
-                # d loss / d logits, without the scale (folded into pq and gp)
-                da = buf.softmax_backward(rc, buf.dot_d(v, gqc))  # [Jc, Bc, m]
-                if gpc is not None:
-                    buf.sum_j(gpc, v, da)
-                if gxs is None and gws is None:
-                    continue
-                gv = torch.mul(rc.unsqueeze(2), gqc, out=v)  # [Jc, Bc, d, m]
-                gv.addcmul_(da.unsqueeze(2), pqc)  # [Jc, Bc, d, m]
-                gv = gv.view(tj, tb * a, c * m)  # [Jc, Bc*a, c*m]
-                if gxs is not None:
-                    gxc = gxs[t]  # [Jc, x, Bc*a]
-                    gvt = gv.transpose(1, 2)  # [Jc, c*m, Bc*a]
-                    if gxbuf is None:
-                        torch.bmm(wct, gvt, out=gxc)  # [Jc, x, Bc*a]
-                    else:
-                        gxtile = gxbuf[: tj * xd * tb * a].view(tj, xd, tb * a)  # [Jc, x, Bc*a]
-                        gxc.copy_(torch.bmm(wct, gvt, out=gxtile))  # [Jc, x, Bc*a]
-                if gws is not None:
-                    xct = xc.reshape(tj, tb * a, xd).transpose(1, 2)  # [Jc, x, Bc*a]
-                    gws[t].baddbmm_(xct, gv)  # [Jc, x, c*m]
-        # a strided view is a valid gradient: no copy back to [J, B, a, x]
-        gx = None
-        if gxt is not None:
-            gx = gxt.view(j, xd, bsz, a).permute(0, 2, 3, 1)  # [J, B, a, x]
-        gwo = None
-        if gw is not None:
-            gwo = gw.view(j, xd, c, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
-        gpo = _parent_major(gp.mul_(scale), a, c) if gp is not None else None  # [B, m, a, c]
-        return gx, gwo, gpo, None
+        gx, gw, gp = _chunked_backward(x, w, p, r, gs, ctx.scale, ctx.needs_input_grad[:3])
+        return gx, gw, gp, None
 
 
 _DENSE = {"on": False}
@@ -295,7 +368,7 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
         s, r = routed_pass_dense(x, w, p, scale)
         return s, r.detach()
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
-        s, r = RoutedPass.apply(x, w, p, scale)
+        s, r = ChunkedRoutedPass.apply(x, w, p, scale)
         return s, r
     with torch.no_grad():
-        return _forward(x, w, p, scale)
+        return _chunked_forward(x, w, p, scale)

@@ -1,4 +1,6 @@
-"""Convolutional backbones that feed the primary capsules (REFERENCE.md §3)."""
+"""Convolutional backbones that feed the primary capsules: the two of the authors' configs for
+Tsai et al., "Capsules with Inverted Dot-Product Attention Routing" (ICLR 2020,
+arXiv:2002.04764)."""
 
 from __future__ import annotations
 

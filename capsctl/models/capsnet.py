@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from capsctl.errors import ConfigError
-from capsctl.layers.capsules import ConvCapsules, FCCapsules, PrimaryCapsules, pose_shape
+from capsctl.layers.capsules import ConvCapsules, FCCapsules, PrimaryCapsules
+from capsctl.layers.poses import pose_shape
 from capsctl.models.backbones import BACKBONE_CHANNELS, backbone_grid, build_backbone
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
@@ -30,6 +31,31 @@ class RoutingTrace:
     child_grids: list[tuple[int, int, int] | None] = field(default_factory=list)
 
 
+def _class_capsules(cfg: ModelConfig) -> CapsLayerSpec:
+    """The class capsules as an FC layer spec (pose dim: ``class_pose_dim``, else the last
+    layer's, else the primary capsules')."""
+    dim = cfg.class_pose_dim
+    if dim is None:
+        dim = cfg.layers[-1].pose_dim if cfg.layers else cfg.primary_dim
+    return CapsLayerSpec(kind="fc", types=cfg.num_classes, pose_dim=dim, pose=cfg.class_pose)
+
+
+def _check_matrix_pose(where: str, spec: CapsLayerSpec, dim: int) -> None:
+    """A matrix-pose layer needs a square input pose dim and keeps it."""
+    if spec.pose != "matrix":
+        return
+    try:
+        pose_shape(dim, "matrix")
+    except ValueError:
+        raise ConfigError(
+            f"{where}: matrix poses need a square input pose dim, got {dim}"
+        ) from None
+    if spec.pose_dim != dim:
+        raise ConfigError(
+            f"{where}.pose_dim: matrix poses keep their dim ({dim}); use pose: vector to change it"
+        )
+
+
 def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
     """Resolve grid sizes and child counts of every capsule layer, class capsules included.
 
@@ -42,31 +68,9 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
         )
     types, dim, kind = cfg.primary_types, cfg.primary_dim, "conv"
     plan: list[dict[str, object]] = []
-    class_dim = cfg.class_pose_dim
-    specs = list(cfg.layers) + [
-        CapsLayerSpec(
-            kind="fc",
-            types=cfg.num_classes,
-            pose_dim=class_dim
-            if class_dim is not None
-            else (cfg.layers[-1].pose_dim if cfg.layers else cfg.primary_dim),
-            pose=cfg.class_pose,
-        )
-    ]
-    for i, spec in enumerate(specs):
+    for i, spec in enumerate([*cfg.layers, _class_capsules(cfg)]):
         where = f"model.layers[{i}]" if i < len(cfg.layers) else "model (class capsules)"
-        if spec.pose == "matrix":
-            try:
-                pose_shape(dim, "matrix")
-            except ValueError:
-                raise ConfigError(
-                    f"{where}: matrix poses need a square input pose dim, got {dim}"
-                ) from None
-            if spec.pose_dim != dim:
-                raise ConfigError(
-                    f"{where}.pose_dim: matrix poses keep their dim ({dim}); "
-                    "use pose: vector to change it"
-                ) from None
+        _check_matrix_pose(where, spec, dim)
         if spec.kind == "conv":
             if kind != "conv":
                 raise ConfigError(f"{where}.kind: a conv capsule layer cannot follow an fc one")
@@ -79,11 +83,10 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
             plan.append(dict(spec=spec, in_types=types, in_dim=dim, in_grid=size, out_grid=out))
             size = out
         else:
-            n_in = types * size * size if kind == "conv" else types
             plan.append(
                 dict(
                     spec=spec,
-                    in_types=n_in,
+                    in_types=types * size * size if kind == "conv" else types,
                     in_dim=dim,
                     in_grid=size if kind == "conv" else None,
                     child_types=types,
@@ -241,7 +244,10 @@ class CapsNet(nn.Module):
         return {"total": total, "backbone": backbone, "capsules": total - backbone}
 
 
-def describe(cfg: ModelConfig) -> str:
+def architecture_summary(cfg: ModelConfig) -> str:
+    """One line naming the backbone, the primary capsules, every capsule layer with its output
+    grid, and the routing schedule, e.g. ``resnet backbone, primary 32x16, conv 32x16 k3s2 ->
+    7x7, conv 32x16 k3s1 -> 5x5, fc 800->10; T=2 concurrent``."""
     plan = plan_layers(cfg)
     parts = [f"{cfg.backbone} backbone", f"primary {cfg.primary_types}x{cfg.primary_dim}"]
     for item in plan:

@@ -1,8 +1,9 @@
 """Model configurations as plain data.
 
 A model is described by a :class:`ModelConfig`; the registry maps names to configs and
-``capsctl.models.build`` turns a config into a module. Presets embed the same structure under
-their ``model:`` key, and checkpoints store it, so every model can be rebuilt from data alone.
+:func:`capsctl.models.build_model_from_config` turns a config into a module. Presets embed the
+same structure under their ``model:`` key, and checkpoints store it, so every model can be
+rebuilt from data alone.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from capsctl.layers.poses import PoseKind
+
 Arch = Literal["capsnet", "capsnet-dynamic", "capsnet-em", "cnn", "resnet18"]
 Backbone = Literal["simple", "resnet"]
-PoseKind = Literal["matrix", "vector"]
 RoutingMode = Literal["concurrent", "sequential"]
 
 
@@ -47,7 +49,7 @@ class ModelConfig:
     (Sabour et al. 2017) or EM routing (Hinton et al. 2018) instead.
     ``head``: ``shared`` (one ``Linear(D, 1)`` for every class, the paper's) or ``per_class``.
 
-    EM routing only (``arch: capsnet-em``; see ``capsctl.models.routing_baselines``):
+    EM routing only (``arch: capsnet-em``; see capsctl/layers/em_routing.py):
     ``em_lambda``: ``lambda_inf`` of the inverse-temperature schedule
     ``lambda_t = lambda_inf * (1 - 0.95^(t+1))`` of conv capsule layers (FC layers use a quarter
     of it); the default 0.02 is the authors' implementation's. ``em_assignment``: ``parents``

@@ -1,0 +1,156 @@
+"""Reading a checkpoint file or a model folder: metadata, tensors, the model rebuilt.
+
+Every reader takes a checkpoint file (:mod:`capsctl.checkpoint.format`) or a model folder
+(:mod:`capsctl.checkpoint.folder`): a folder reads like a weights-only checkpoint, its metadata
+rebuilt from ``config.json`` and its tensors under ``model.`` names.
+
+To read a file's header once, read the metadata first and pass it on:
+``meta = read_metadata(path)`` then ``load_checkpoint(path, metadata=meta)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from capsctl.checkpoint.folder import check_folder_state, load_folder_tensors, read_folder_metadata
+from capsctl.checkpoint.format import MODEL_PREFIX, decode_metadata, load_file_tensors, read_header
+from capsctl.errors import CheckpointError, ConfigError
+
+__all__ = [
+    "load_checkpoint",
+    "load_tensors",
+    "model_config",
+    "model_from_tensors",
+    "read_metadata",
+    "stored_preset",
+]
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The decoded metadata of a capsctl checkpoint (without the ``format`` marker).
+
+    The file's header is validated. For a model folder: the metadata rebuilt from its
+    ``config.json``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return read_folder_metadata(path)
+    _, raw = read_header(path)
+    return decode_metadata(path, raw)
+
+
+def load_tensors(
+    path: str | os.PathLike[str], device: str | torch.device = "cpu", *, validate: bool = True
+) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint on ``device``, its header validated first.
+
+    For a model folder: the tensors of its ``model.safetensors`` under ``model.<name>``.
+    ``validate=False`` skips the header check for a caller that has just run
+    :func:`read_metadata` on the same path.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return load_folder_tensors(path, device, validate=validate)
+    return load_file_tensors(path, device, validate=validate)
+
+
+def stored_preset(metadata: Mapping[str, Any], path: str | os.PathLike[str]) -> Any:
+    """The resolved :class:`~capsctl.config.Preset` a checkpoint was trained with."""
+    from capsctl.config import preset_from_dict
+
+    try:
+        return preset_from_dict(metadata["preset"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: its stored preset is unusable ({e})") from None
+
+
+def model_config(path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None) -> Any:
+    """The :class:`~capsctl.models.spec.ModelConfig` stored in a checkpoint (no tensor is read)."""
+    from capsctl.config import from_dict
+    from capsctl.models.spec import ModelConfig
+
+    path = Path(path)
+    meta = read_metadata(path) if metadata is None else metadata
+    preset = meta.get("preset")
+    raw_model = preset.get("model") if isinstance(preset, dict) else None
+    if not isinstance(raw_model, dict):
+        raise CheckpointError(
+            f"{path}: its metadata has no model configuration (preset.model), so the model "
+            "cannot be rebuilt"
+        )
+    try:
+        return from_dict(ModelConfig, raw_model, "preset.model")
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{path}: its stored model configuration is invalid ({e}); it may come from another "
+            "capsctl version"
+        ) from None
+
+
+def model_from_tensors(
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+) -> torch.nn.Module:
+    """The model of ``metadata`` (on the CPU, in eval mode) loaded from its ``model.*`` tensors.
+
+    Built with ``capsctl.models.build_model_from_config`` and loaded with strict key and shape
+    checks; ``path`` (a file or a model folder) is named in the errors.
+    """
+    from capsctl.models import build_model_from_config
+
+    path = Path(path)
+    model = build_model_from_config(model_config(path, metadata))
+    state = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+    if path.is_dir():
+        check_folder_state(path, model, state)
+    else:
+        _check_state(path, model, state)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return model
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    *,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Rebuild the model stored in a checkpoint; returns ``(model in eval mode, metadata)``.
+
+    The model is built from ``metadata["preset"]["model"]`` and loaded from the ``model.*``
+    tensors with strict key and shape checks (:func:`model_from_tensors`). ``path`` may be a
+    model folder (its ``model.safetensors`` must hold exactly the model's tensors).
+    ``metadata``: what :func:`read_metadata` returned for ``path``, so that the header is not
+    read again.
+    """
+    path = Path(path)
+    meta = read_metadata(path) if metadata is None else dict(metadata)
+    tensors = load_tensors(path, validate=metadata is None)
+    model = model_from_tensors(path, meta, tensors)
+    model.to(device)
+    return model, meta
+
+
+def _check_state(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    problems = [f"missing model.{k}" for k in expected if k not in state]
+    problems += [f"unexpected model.{k}" for k in state if k not in expected]
+    problems += [
+        f"model.{k} has shape {tuple(state[k].shape)}, the model needs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if problems:
+        shown = ", ".join(problems[:3])
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise CheckpointError(
+            f"{path}: its metadata does not match its tensors ({shown}{more}); the file is "
+            "inconsistent or from another capsctl version"
+        )

@@ -1,0 +1,94 @@
+"""The Typer application, its global options and the entry point that turns errors into one line.
+
+torch is imported only inside commands, so ``capsctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from capsctl.errors import CapsctlError
+from capsctl.version import __version__
+
+__all__ = ["JsonOpt", "app", "main"]
+
+app = typer.Typer(
+    name="capsctl",
+    help="Capsule networks with inverted dot-product attention routing (Tsai et al., ICLR 2020).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+_state = {"debug": False}
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout and nothing else.")
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"capsctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show tracebacks (also CAPSCTL_DEBUG=1).")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    _state["debug"] = debug or os.environ.get("CAPSCTL_DEBUG", "") not in ("", "0")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: one-line errors on stderr, exit code 1 (usage 2); --debug shows tracebacks."""
+    debug_flag = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        # Outside standalone mode Typer returns the exit code of a typer.Exit, and turns Ctrl-C
+        # (a KeyboardInterrupt before training has installed its own handler) into Exit(130).
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:
+            print("interrupted", file=sys.stderr)
+        if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+            sys.exit(code)
+    except CapsctlError as e:
+        if _state["debug"] or debug_flag:
+            raise
+        from capsctl.views.common import error
+
+        error(str(e))
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        if _state["debug"] or debug_flag:
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # click usage errors carry their own exit code
+        code = getattr(e, "exit_code", None)
+        if code is not None and hasattr(e, "show"):
+            e.show()
+            sys.exit(code)
+        if _state["debug"] or debug_flag:
+            raise
+        from capsctl.views.common import error
+
+        error(f"{type(e).__name__}: {e} (run with --debug for the traceback)")
+        sys.exit(1)

@@ -1,0 +1,126 @@
+"""``capsctl train``: parse, one call to :func:`capsctl.training.train_from_preset`, render."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from capsctl.cli.app import JsonOpt, app
+from capsctl.errors import UsageError
+
+
+@app.command("train")
+def train_cmd(
+    preset: Annotated[
+        str | None, typer.Option("--preset", "-p", help="Preset name or YAML file.")
+    ] = None,
+    epochs: Annotated[int | None, typer.Option(help="Number of epochs.")] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", "-b", help="Training batch size.")
+    ] = None,
+    lr: Annotated[float | None, typer.Option(help="Base learning rate.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda or mps.")] = None,
+    data_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--data-dir",
+            help="Where datasets live (default: $CAPSCTL_DATA, else a per-user cache).",
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Run folder (default runs/<preset>).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    deterministic: Annotated[
+        bool, typer.Option("--deterministic", help="Deterministic algorithms.")
+    ] = False,
+    amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the model.")] = False,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue from a last.safetensors.")
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace a run already in --out.")
+    ] = False,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", help="Override any preset field, e.g. --set train.lr=0.05 (repeatable)."
+        ),
+    ] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            help="Launch N processes on this machine with torchrun (DistributedDataParallel).",
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train a model from a preset; writes best/last.safetensors, metrics.jsonl and preset.yaml."""
+    from capsctl.views.common import print_json
+    from capsctl.views.progress import TrainProgress
+    from capsctl.views.training import print_fit_result
+
+    if nproc is not None:
+        _launch_torchrun(nproc)
+        return
+    silent = os.environ.get("RANK", "0") != "0"  # under torchrun only the first process reports
+    from capsctl.training import train_from_preset
+
+    with TrainProgress(quiet=json_out or silent) as progress:
+        result = train_from_preset(
+            preset,
+            resume=resume,
+            out=out,
+            overrides=set_ or [],
+            overwrite=overwrite,
+            on_event=progress,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            device=device,
+            data_dir=data_dir,
+            seed=seed,
+            deterministic=deterministic,
+            amp=amp,
+            compile=compile_,
+        )
+    if silent:
+        return
+    if json_out:
+        print_json(result.to_dict())
+        return
+    print_fit_result(result)
+
+
+def _launch_torchrun(nproc: int) -> None:
+    """Re-run this very command under torchrun with ``nproc`` processes (minus --nproc)."""
+    import subprocess
+
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc}: must be >= 1")
+    rest: list[str] = []
+    args = iter(sys.argv[1:])
+    for a in args:
+        if a == "--nproc":
+            next(args, None)  # drop its value too
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "capsctl",
+        *rest,
+    ]
+    code = subprocess.call(cmd)
+    if code:
+        sys.exit(code)

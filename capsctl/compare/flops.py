@@ -1,0 +1,62 @@
+"""FLOPs of one forward pass, counted by :class:`torch.utils.flop_counter.FlopCounterMode`.
+
+FLOPs are ``2 x`` multiply-accumulates of one forward pass per image. That counter counts
+matrix products and convolutions (``mm``, ``addmm``, ``bmm``, ``convolution``...), not
+elementwise work: the routing's agreement dot products, coefficient-weighted sums and softmax,
+LayerNorm, BatchNorm and activations are not counted. A plain forward pass is what our model
+computes; concurrent routing skips the routed passes that cannot reach the output (with T=2
+only the class layer is routed). ``all_passes=True`` counts ``model(x, trace=True)``, which
+computes every pass of every layer, as the authors' implementation does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from capsctl.errors import UsageError
+
+__all__ = ["FLOPS_NOTE", "count_flops"]
+
+FLOPS_NOTE = (
+    "FLOPs = 2 x multiply-accumulates, counted by torch.utils.flop_counter.FlopCounterMode for "
+    "one forward pass (batch 2, divided by 2, eval mode); it counts convolutions and matrix "
+    "products (conv, mm, addmm, bmm), not elementwise work (routing agreements and weighted "
+    "sums, softmax, normalization, activations); gflops_all_passes also counts the routed "
+    "passes that cannot reach the output (every pass, as the authors' code computes them)"
+)
+
+
+def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: bool = False) -> float:
+    """GFLOPs (``2 x`` multiply-accumulates, per image) of one forward pass of ``model``.
+
+    ``input_shape`` is one image's ``(C, H, W)``. The model runs in eval mode under
+    ``torch.no_grad`` on a batch of 2 (so batch-size-1 special cases do not matter) and the
+    count is halved; its training mode is restored afterwards. ``all_passes=True`` calls
+    ``model(x, trace=True)`` (capsule nets: every routing pass is computed). Only what
+    :class:`~torch.utils.flop_counter.FlopCounterMode` counts is included: convolutions and
+    matrix products, not elementwise operations.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = [int(v) for v in input_shape]
+    if len(shape) != 3 or min(shape) < 1:
+        raise UsageError(f"input shape must be (channels, height, width), got {tuple(shape)}")
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    dtype = first.dtype if first is not None and first.is_floating_point() else torch.float32
+    x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            if all_passes:
+                model(x, trace=True)
+            else:
+                model(x)
+    finally:
+        model.train(was_training)
+    return counter.get_total_flops() / 2 / 1e9

@@ -1,0 +1,52 @@
+"""Raw routing coefficients as a safetensors file: :func:`dump_coefficients`.
+
+Keys ``layer{l}.iter{t}`` (layers 0-based, iterations 1-based, as in
+capsctl/inspection/report.py) hold float32 tensors shaped as in the trace (conv
+``[b, h, w, k, l, n, m]``, FC ``[b, n, m]``). The string metadata holds ``format``
+(``capsctl-routing``) and, as JSON, ``kinds``, ``child_grids``, ``classes``, ``iterations`` and
+``routing``. The file is written atomically (capsctl/atomic.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from capsctl.atomic import write_atomic
+from capsctl.errors import CapsctlError
+from capsctl.inspection.report import RoutingReport
+
+__all__ = ["dump_coefficients"]
+
+
+def dump_coefficients(report: RoutingReport, path: str | os.PathLike[str]) -> Path:
+    """Write ``report``'s raw coefficients to ``path`` (format in the module docstring).
+
+    Returns the path. Raises :class:`CapsctlError` naming the path when its folder is missing.
+    """
+    from safetensors.torch import save
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise CapsctlError(
+            f"cannot write {path}: the folder {path.parent} does not exist; create it first"
+        )
+    tensors = {
+        f"layer{li}.iter{ti + 1}": c.detach().to("cpu", torch.float32).contiguous()
+        for li, per_layer in enumerate(report.coefficients)
+        for ti, c in enumerate(per_layer)
+    }
+    grids = [None if g is None else list(g) for g in report.child_grids]
+    metadata = {
+        "format": "capsctl-routing",
+        "kinds": json.dumps(report.kinds),
+        "child_grids": json.dumps(grids),
+        "classes": json.dumps(report.classes, ensure_ascii=False),
+        "iterations": json.dumps(report.iterations),
+        "routing": json.dumps(report.routing),
+    }
+    write_atomic(path, save(tensors, metadata=metadata))
+    return path

@@ -1,0 +1,192 @@
+"""Routing pictures as PNG files: :func:`write_pngs` (matplotlib, imported only here, lazily).
+
+* ``routing_layer{l}_iter{t}.png`` per layer and iteration: the batch-mean coefficients as a
+  child type x parent type heatmap (conv layers and FC layers over a grid aggregate children
+  per type), colour scale fixed to [0, 1];
+* ``image{i}_routing.png`` per image:
+  :func:`~capsctl.inspection.statistics.spatial_map` upsampled onto the image, with a colorbar
+  (scale 0 .. the map's maximum).
+
+Each PNG carries text metadata ``capsctl:vmin``/``capsctl:vmax`` (the colour limits actually
+used), ``capsctl:kind`` (``coefficients`` or ``overlay``) and the layer/iteration or image.
+Files are written atomically (capsctl/atomic.py).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from capsctl.atomic import write_atomic
+from capsctl.errors import CapsctlError, UsageError
+from capsctl.events import EventFn, emit
+from capsctl.inspection.report import RoutingReport
+from capsctl.inspection.statistics import spatial_map
+
+__all__ = ["write_pngs"]
+
+PLOT_MISSING = "routing pictures need matplotlib: pip install 'capsctl[plot]'"
+
+
+def _figure_class() -> Any:
+    """matplotlib's ``Figure`` (no pyplot, no global state), or the pip hint as an error."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CapsctlError(PLOT_MISSING) from None
+    return Figure
+
+
+def _mean_matrix(report: RoutingReport, li: int, ti: int) -> Tensor:
+    """Batch-mean coefficients aggregated to ``[child types, parent types]``."""
+    coeff = report.coefficients[li][ti].double()
+    m = coeff.shape[-1]
+    grid = report.child_grids[li]
+    if report.kinds[li] == "conv":
+        n = coeff.shape[-2]
+        return coeff.reshape(-1, n, m).mean(0)  # [b, h, w, k, l, n, m] -> [b*h*w*k*l, n, m]
+    if grid is not None:
+        # [b, h*w*n, m] -> [b, h*w, n, m]
+        return coeff.reshape(coeff.shape[0], -1, grid[2], m).mean((0, 1))
+    return coeff.mean(0)  # [b, n, m] -> [n, m]
+
+
+def _images_hwc(images: Tensor | Any) -> Tensor:
+    """Images as float ``[N, H, W, C]`` in [0, 1] (C = 1 or 3)."""
+    x = torch.as_tensor(images).detach().cpu()
+    if x.dim() == 3:
+        x = x.unsqueeze(1)  # [N, H, W] -> [N, 1, H, W]
+    if x.dim() != 4:
+        raise UsageError("images for pictures must be [N, C, H, W] (uint8 or floats in [0, 1])")
+    if x.shape[1] not in (1, 3) and x.shape[-1] in (1, 3):
+        x = x.permute(0, 3, 1, 2)  # [N, H, W, C] -> [N, C, H, W]
+    if x.shape[1] not in (1, 3):
+        raise UsageError(f"images for pictures need 1 or 3 channels, got shape {list(x.shape)}")
+    x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float().clamp(0.0, 1.0)
+    return x.permute(0, 2, 3, 1)  # [N, C, H, W] -> [N, H, W, C]
+
+
+def _save_png(fig: Any, path: Path, metadata: dict[str, str]) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata=metadata)
+    write_atomic(path, buf.getvalue())
+
+
+def _layer_name(report: RoutingReport, li: int) -> str:
+    last = li == len(report.coefficients) - 1
+    return f"layer {li} ({report.kinds[li]}{', class capsules' if last else ''})"
+
+
+def _write_heatmap(figure: Any, report: RoutingReport, li: int, ti: int, out: Path) -> Path:
+    """``routing_layer{li}_iter{ti + 1}.png``: the batch-mean coefficient matrix."""
+    matrix = _mean_matrix(report, li, ti).float().numpy()
+    n, m = matrix.shape
+    fig = figure(figsize=(max(4.0, 1.0 + 0.3 * m), max(3.0, 1.0 + 0.25 * n)))
+    ax = fig.add_subplot()
+    im = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_ylabel("child capsule type")
+    if li == len(report.coefficients) - 1:
+        ax.set_xlabel("class")
+        ax.set_xticks(range(m), report.classes, rotation=45, ha="right")
+    else:
+        ax.set_xlabel("parent capsule type")
+    t = ti + 1
+    ax.set_title(f"{_layer_name(report, li)}, iteration {t}/{len(report.coefficients[li])}")
+    fig.colorbar(im, ax=ax, label="mean routing coefficient")
+    fig.tight_layout()
+    vmin, vmax = im.get_clim()
+    path = out / f"routing_layer{li}_iter{t}.png"
+    metadata = {
+        "Title": f"capsctl routing layer {li} iteration {t}",
+        "capsctl:kind": "coefficients",
+        "capsctl:layer": str(li),
+        "capsctl:iteration": str(t),
+        "capsctl:vmin": repr(float(vmin)),
+        "capsctl:vmax": repr(float(vmax)),
+    }
+    _save_png(fig, path, metadata)
+    return path
+
+
+def _write_overlay(figure: Any, report: RoutingReport, i: int, picture: Tensor, out: Path) -> Path:
+    """``image{i}_routing.png``: the routing into the predicted class over image ``i``."""
+    record = report.images[i]
+    height, width = picture.shape[:2]
+    sm = spatial_map(report, i)  # [h, w]
+    up = F.interpolate(sm[None, None], size=(height, width), mode="bilinear", align_corners=False)
+    fig = figure(figsize=(4.2, 3.6))
+    ax = fig.add_subplot()
+    if picture.shape[-1] == 1:
+        ax.imshow(picture[..., 0].numpy(), cmap="gray", vmin=0.0, vmax=1.0)
+    else:
+        ax.imshow(picture.numpy())
+    top = float(sm.max())
+    vmax = top if top > 0 else 1.0
+    im = ax.imshow(up[0, 0].numpy(), cmap="inferno", alpha=0.5, vmin=0.0, vmax=vmax)
+    truth = "" if record.label_class is None else f" (label {record.label_class})"
+    ax.set_title(f"image {i}: routing into {record.predicted_class}{truth}", fontsize=9)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.colorbar(im, ax=ax, label=f"routing into {record.predicted_class}")
+    fig.tight_layout()
+    vmin, vmax = im.get_clim()
+    path = out / f"image{i}_routing.png"
+    metadata = {
+        "Title": f"capsctl routing into the predicted class, image {i}",
+        "capsctl:kind": "overlay",
+        "capsctl:image": str(i),
+        "capsctl:vmin": repr(float(vmin)),
+        "capsctl:vmax": repr(float(vmax)),
+    }
+    _save_png(fig, path, metadata)
+    return path
+
+
+def write_pngs(
+    report: RoutingReport,
+    images: Tensor | Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    heatmaps: bool = True,
+    overlays: bool = True,
+    on_event: EventFn = None,
+) -> list[Path]:
+    """Write routing pictures (module docstring) to ``out_dir``, created if missing.
+
+    ``images``: the un-normalized inputs (uint8 0..255 or floats in [0, 1]), ``[N, C, H, W]``,
+    in the report's order. ``heatmaps``/``overlays`` switch the two kinds of picture off.
+    Emits a ``progress`` event (``task="pictures"``, ``step``, ``steps``) after each file.
+    Returns the paths written. Needs matplotlib (:class:`CapsctlError` with the pip hint).
+    """
+    figure = _figure_class()
+    pictures = _images_hwc(images)
+    if pictures.shape[0] != len(report.images):
+        raise UsageError(
+            f"got {pictures.shape[0]} images for a report on {len(report.images)}; pass the "
+            "same images"
+        )
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CapsctlError(f"cannot create the folder {out}: {e.strerror or e}") from None
+    heatmap_count = sum(len(per) for per in report.coefficients) if heatmaps else 0
+    steps = heatmap_count + (len(report.images) if overlays else 0)
+    written: list[Path] = []
+
+    def done(path: Path) -> None:
+        written.append(path)
+        emit(on_event, "progress", task="pictures", step=len(written), steps=steps)
+
+    for li in range(len(report.coefficients) if heatmaps else 0):
+        for ti in range(len(report.coefficients[li])):
+            done(_write_heatmap(figure, report, li, ti, out))
+    for i in range(len(report.images) if overlays else 0):
+        done(_write_overlay(figure, report, i, pictures[i], out))
+    return written

@@ -1,0 +1,310 @@
+"""EM routing (Hinton, Sabour, Frosst, "Matrix capsules with EM routing", ICLR 2018): the
+routing procedure, the softmax over every parent a conv child votes for, and the capsule layer.
+
+Letters and the site layout (parent sites in ``B``, the children that vote at a site in ``J``,
+votes ``[B, m, J, d]``) as in capsctl/layers/routing.py and capsctl/layers/baseline_capsules.py.
+Procedure 1 of the paper: a conv child's assignments are normalized over every parent it votes
+for, as in the paper; the constants the paper leaves open (temperature schedule, epsilons,
+weight init) come from the authors' published implementation (google-research/google-research,
+``capsule_em/em_layers.py``; see the ``EM_*`` constants). Stabilizers the paper lacks (cost
+standardization, routing conv windows separately) are knobs, off by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from capsctl.layers.baseline_capsules import BaselineCapsules, window_sites
+
+# Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
+# the authors' published implementation (google-research/google-research, capsule_em/).
+# Added to sum_i R_ij a_i before dividing by it (capsule_em/em_layers.py, conv routing: 1e-7;
+# its FC routing uses 1e-5).
+EM_EPS = 1e-7
+# Added to every variance sigma^2 (capsule_em/em_layers.py, ``min_var``): keeps log sigma and
+# 1 / sigma^2 finite when the votes of a parent agree exactly (e.g. a parent with one child).
+EM_VAR_EPS = 5e-4
+# lambda_inf of the inverse-temperature schedule lambda_t = lambda_inf * (1 - 0.95^(t+1)),
+# t = 0..T-1 (capsule_em/em_layers.py). The reference implementation's ``final_beta`` = 0.01
+# (capsule_em/experiment.py and README.md) multiplies a cost written with log sigma^2 where the
+# paper has log sigma, so the same temperature in the paper's formula is 2 * 0.01.
+EM_FINAL_LAMBDA = 0.02
+EM_LAMBDA_DECAY = 0.95
+# FC capsule layers use a quarter of lambda_inf (``final_beta / 4`` in connector_capsule_mat).
+EM_FC_LAMBDA_FACTOR = 0.25
+# Weight std before truncation at 2 std (TensorFlow's truncated normal), per layer kind:
+# conv_capsule_mat (0.3) and connector_capsule_mat (0.01) in capsule_em/em_layers.py.
+EM_INIT_STD = {"conv": 0.3, "fc": 0.01}
+# Only for the optional cost standardization (``standardize_costs``, not in the paper).
+EM_COST_EPS = 1e-6
+EM_ASSIGNMENTS = ("parents", "window")
+
+
+def em_inverse_temperature(final_lambda: float, t: int) -> float:
+    """``lambda_t = final_lambda * (1 - 0.95^(t+1))`` for iteration ``t = 0, 1, ...``: the
+    schedule of the authors' implementation (capsule_em/em_layers.py); the paper only says
+    that lambda follows a fixed schedule."""
+    return final_lambda * (1.0 - EM_LAMBDA_DECAY ** (t + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowGrid:
+    """Where the ``J = k*k*n`` entries of every conv site come from: child grid
+    ``[b, H, W, n]``, sites ``[b, h, w]``, kernel ``k``, stride. Gathers, for every entry, a
+    reduction over all entries of the same child (every window it falls in)."""
+
+    batch: int
+    height: int
+    width: int
+    types: int
+    out_height: int
+    out_width: int
+    kernel: int
+    stride: int
+
+    @classmethod
+    def of(cls, child_act: Tensor, kernel: int, stride: int) -> WindowGrid:
+        """From the child activations ``[b, H, W, n]``."""
+        b, hh, ww, n = child_act.shape
+        ho, wo = (hh - kernel) // stride + 1, (ww - kernel) // stride + 1
+        return cls(b, hh, ww, n, ho, wo, kernel, stride)
+
+    def sum_overwindow_sites(self, x: Tensor) -> Tensor:
+        """``x[B, J]`` -> ``[B, J]``: every entry becomes the sum of its child's entries."""
+        b, h, w, k, n = self.batch, self.out_height, self.out_width, self.kernel, self.types
+        cols = x.reshape(b, h, w, k, k, n).permute(0, 5, 3, 4, 1, 2)  # [b, n, k, l, h, w]
+        cols = cols.reshape(b, n * k * k, h * w)  # [b, (n, k, l), (h, w)]
+        grid = F.fold(
+            cols, (self.height, self.width), kernel_size=k, stride=self.stride
+        )  # [b, n, H, W]
+        return window_sites(grid.permute(0, 2, 3, 1), k, self.stride)[0]  # [B, J]
+
+    def max_overwindow_sites(self, x: Tensor) -> Tensor:
+        """``x[B, J]`` -> ``[B, J]``: every entry becomes the max of its child's entries (no
+        gradient)."""
+        b, h, w, k, n, s = (
+            self.batch,
+            self.out_height,
+            self.out_width,
+            self.kernel,
+            self.types,
+            self.stride,
+        )
+        with torch.no_grad():
+            win = x.reshape(b, h, w, k, k, n)  # [b, h, w, k, l, n]
+            grid = x.new_full((b, self.height, self.width, n), -math.inf)  # [b, H, W, n]
+            for ky in range(k):
+                for kx in range(k):
+                    part = grid[:, ky : ky + s * (h - 1) + 1 : s, kx : kx + s * (w - 1) + 1 : s]
+                    part.copy_(torch.maximum(part, win[:, :, :, ky, kx]))  # [b, h, w, n]
+            return window_sites(grid, k, s)[0]  # [B, J]
+
+
+class _SoftmaxOverParents(torch.autograd.Function):
+    """``z[B, m, J]`` -> ``R = exp(z) / sum exp(z)``, the sum over every entry of the same
+    child (all windows it falls in, all parent types): a softmax over all the parents each
+    child votes for. Stabilized by each child's maximum. Saves only ``R`` for the backward
+    (``dz = R * (g - sum_child R g)``), as ``torch.softmax`` does."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, grid: WindowGrid) -> Tensor:  # type: ignore[override]
+        top = grid.max_overwindow_sites(z.amax(1))  # [B, J]
+        r = torch.exp(z - top.unsqueeze(1))  # [B, m, J]
+        r = r / grid.sum_overwindow_sites(r.sum(1)).unsqueeze(1)  # [B, m, J]
+        ctx.save_for_backward(r)
+        ctx.grid = grid
+        return r
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (r,) = ctx.saved_tensors
+        rg = r * grad  # [B, m, J]
+        total = ctx.grid.sum_overwindow_sites(rg.sum(1))  # [B, J]
+        return rg - r * total.unsqueeze(1), None  # [B, m, J]
+
+
+def em_routing(
+    votes: Tensor,
+    a_in: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iterations: int,
+    final_lambda: float = EM_FINAL_LAMBDA,
+    *,
+    grid: WindowGrid | None = None,
+    standardize_costs: bool = False,
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    """EM routing (Hinton, Sabour, Frosst, ICLR 2018, Procedure 1) over votes ``V[B, m, J, d]``.
+
+    ``a_in[B, J]``: child activations; ``beta_u[m]``, ``beta_a[m]``: learned per parent type.
+    Iteration ``t = 0..T-1`` runs an M-step with inverse temperature
+    ``lambda_t = final_lambda * (1 - 0.95^(t+1))`` (:func:`em_inverse_temperature`) and, except
+    after the last (whose result the paper's procedure never uses), an E-step:
+
+    - M-step: ``r_ij = R_ij a_i``; ``mu_j^h = sum_i r_ij V_ij^h / (sum_i r_ij + EM_EPS)``;
+      ``(sigma_j^h)^2 = sum_i r_ij (V_ij^h - mu_j^h)^2 / (sum_i r_ij + EM_EPS) + EM_VAR_EPS``;
+      ``cost_j^h = (beta_u + log sigma_j^h) sum_i r_ij``;
+      ``a_j = sigmoid(lambda_t (beta_a - sum_h cost_j^h))``.
+    - E-step: ``p_ij = N(V_ij; mu_j, diag sigma_j^2)``; ``R_ij = a_j p_ij / sum_k a_k p_ik``,
+      computed in log space as a softmax of ``log a_j + log p_ij`` (same value, no underflow).
+
+    The sum over ``k`` runs over every parent child ``i`` votes for. With ``grid=None`` those
+    are the ``m`` parents of its site (an FC layer, or a conv layer routed window by window);
+    with the :class:`WindowGrid` of a conv layer it runs over all of them, in every window the
+    child falls in, as the paper's conv layers do, and the first iteration's ``R_ij`` is
+    uniform over them, ``1 / (m * windows of i)`` (the paper's ``1 / |Omega_{L+1}|`` over the
+    parents the child is connected to; the authors' code starts from ``1/m`` in every window).
+
+    ``standardize_costs`` (off by default; not in the paper nor the authors' code) replaces
+    ``sum_h cost_j^h`` by ``(c_j - mean_k c_k) / (std_k c_k + EM_COST_EPS)`` over the ``m`` parent
+    types of the site (population std, taken as ``sqrt(var + EM_COST_EPS^2)``). A stabilizer: the
+    raw cost grows with the number of children and the vote scale, the standardized one is
+    O(1), so O(1) temperatures work in every layer; pair it with ``final_lambda`` near 1.
+
+    Returns ``mu[B, m, d]``, ``a_out[B, m]`` and per iteration the assignment ``R[B, m, J]``
+    used by that M-step, the means and the activations after it.
+    """
+    if iterations < 1:
+        raise ValueError("iterations must be >= 1")
+    bsz, m, j, _ = votes.shape
+    if grid is None:
+        r = votes.new_full((bsz, m, j), 1.0 / m)  # [B, m, J]
+    else:
+        windows = grid.sum_overwindow_sites(votes.new_ones(bsz, j))  # [B, J]
+        r = (1.0 / (m * windows)).unsqueeze(1).expand(bsz, m, j)  # [B, m, J]
+    a_w = a_in.unsqueeze(1)  # [B, 1, J]
+    bu = beta_u.view(1, m, 1)  # [1, m, 1]
+    ba = beta_a.view(1, m)  # [1, m]
+    log_2pi = math.log(2.0 * math.pi)
+    rs: list[Tensor] = []
+    mus: list[Tensor] = []
+    acts: list[Tensor] = []
+    mu = votes.new_zeros(bsz, m, votes.shape[-1])
+    a_out = votes.new_zeros(bsz, m)
+    for t in range(iterations):
+        lam = em_inverse_temperature(final_lambda, t)
+        rs.append(r)
+        # M-step
+        ra = r * a_w  # [B, m, J]
+        mass = ra.sum(-1, keepdim=True)  # [B, m, 1]
+        wts = ra / (mass + EM_EPS)  # [B, m, J]
+        mu = (wts.unsqueeze(2) @ votes).squeeze(2)  # [B, m, 1, J] @ [B, m, J, d] -> [B, m, d]
+        diff = votes - mu.unsqueeze(2)  # [B, m, J, d]
+        diff2 = diff * diff  # [B, m, J, d]
+        var = (wts.unsqueeze(2) @ diff2).squeeze(2) + EM_VAR_EPS  # [B, m, d]
+        log_var = torch.log(var)  # [B, m, d]; log sigma = log_var / 2
+        cost = ((bu + 0.5 * log_var) * mass).sum(-1)  # [B, m]
+        if standardize_costs:
+            mean = cost.mean(-1, keepdim=True)  # [B, 1]
+            std = torch.sqrt((cost - mean).pow(2).mean(-1, keepdim=True) + EM_COST_EPS**2)
+            cost = (cost - mean) / (std + EM_COST_EPS)  # [B, m]
+        pre = lam * (ba - cost)  # [B, m]
+        a_out = torch.sigmoid(pre)  # [B, m]
+        mus.append(mu)
+        acts.append(a_out)
+        if t + 1 < iterations:
+            # E-step: log p_ij = -sum_h [(V - mu)^2 / (2 sigma^2) + log(2 pi sigma^2) / 2]
+            maha = (diff2 @ (1.0 / var).unsqueeze(-1)).squeeze(-1)  # [B, m, J, d] @ [B, m, d, 1]
+            log_norm = 0.5 * (log_var + log_2pi).sum(-1, keepdim=True)  # [B, m, 1]
+            log_ap = F.logsigmoid(pre).unsqueeze(-1) - 0.5 * maha - log_norm  # [B, m, J]
+            if grid is None:
+                r = torch.softmax(log_ap, dim=1)  # [B, m, J]
+            else:
+                r = _SoftmaxOverParents.apply(log_ap, grid)  # [B, m, J]
+    return mu, a_out, rs, mus, acts
+
+
+class EMCapsules(BaselineCapsules):
+    """A capsule layer with pose matrices, activations and EM routing (Hinton et al. 2018).
+
+    Votes ``V_ij = M_i W_ij`` (the pose times a learned ``x x c`` matrix, the convention of the
+    main model; a vector pose is a ``1 x d`` row). ``beta_u``, ``beta_a``: one per parent type,
+    shared over positions, initialized to 0 (the paper gives no initial value; the authors' code
+    starts its biases at 0.5 to 2 in a rescaled parametrization that has no counterpart here).
+    Init: ``W`` from a normal with std ``EM_INIT_STD[kind]`` (0.3 conv, 0.01 FC) truncated at
+    2 std, as the authors' implementation (capsule_em/em_layers.py) does.
+
+    ``final_lambda``: ``lambda_inf`` of the inverse-temperature schedule (:func:`em_routing`);
+    default ``EM_FINAL_LAMBDA`` (0.02) for conv layers and a quarter of it for FC layers.
+    ``assignment`` (conv layers): ``"parents"`` (default, the paper's) normalizes a child's
+    assignments over every parent it votes for, in all the windows it falls in; ``"window"``
+    routes each window on its own, normalizing over the ``m`` parent types there (as the main
+    model and the dynamic-routing baseline do; cheaper to reason about, not the paper's).
+    ``standardize_costs``: see :func:`em_routing` (off by default; not in the paper).
+    No coordinate addition: the class layer has separate weights for every child position, like
+    the main model's FC layer, so positions are already distinguishable.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        in_types: int,
+        in_dim: int,
+        out_types: int,
+        out_dim: int,
+        *,
+        rows: int,
+        kernel: int = 1,
+        stride: int = 1,
+        final_lambda: float | None = None,
+        assignment: str = "parents",
+        standardize_costs: bool = False,
+    ) -> None:
+        super().__init__(
+            kind, in_types, in_dim, out_types, out_dim, rows=rows, kernel=kernel, stride=stride
+        )
+        if assignment not in EM_ASSIGNMENTS:
+            raise ValueError(f"assignment must be one of {EM_ASSIGNMENTS}, got {assignment!r}")
+        if final_lambda is None:
+            factor = EM_FC_LAMBDA_FACTOR if kind == "fc" else 1.0
+            final_lambda = EM_FINAL_LAMBDA * factor
+        self.final_lambda = final_lambda
+        self.assignment = assignment
+        self.standardize_costs = standardize_costs
+        self.beta_u = nn.Parameter(torch.zeros(out_types))
+        self.beta_a = nn.Parameter(torch.zeros(out_types))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = EM_INIT_STD[self.kind]
+        with torch.no_grad():
+            nn.init.trunc_normal_(self.weight, 0.0, std, -2.0 * std, 2.0 * std)
+            self.beta_u.zero_()
+            self.beta_a.zero_()
+
+    def route(
+        self, child: Tensor, act: Tensor, iterations: int, final_lambda: float | None = None
+    ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+        """Child poses and activations -> parent poses (``[b, h, w, m, d]`` / ``[b, m, d]``),
+        activations (``[b, h, w, m]`` / ``[b, m]``), and per iteration ``R`` (``[b, h, w, k,
+        l, n, m]`` / ``[b, n, m]``), the parent poses and the parent activations.
+        ``final_lambda`` overrides the layer's ``lambda_inf`` for this call."""
+        xs, site = self.sites(child)  # [B, J, d_in]
+        a_in = self.child_activations(act)  # [B, J]
+        grid = None
+        if self.kind == "conv" and self.assignment == "parents":
+            grid = WindowGrid.of(act, self.kernel, self.stride)
+        mu, a_out, rs, mus, acts = em_routing(
+            self.votes(xs),
+            a_in,
+            self.beta_u,
+            self.beta_a,
+            iterations,
+            self.final_lambda if final_lambda is None else final_lambda,
+            grid=grid,
+            standardize_costs=self.standardize_costs,
+        )
+        return (
+            self.unsite(mu, site),
+            self.unsite(a_out, site),
+            [self.unsite_coefficients(r, site) for r in rs],
+            [self.unsite(p, site) for p in mus],
+            [self.unsite(a, site) for a in acts],
+        )

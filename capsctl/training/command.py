@@ -1,0 +1,93 @@
+"""``capsctl train`` as one library call: a preset (or a run to resume), overrides, a run folder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from capsctl.config import Preset, apply_overrides, load_preset, preset_from_dict, preset_to_dict
+from capsctl.errors import UsageError
+from capsctl.events import EventFn
+from capsctl.training.resume import load_resume_preset
+from capsctl.training.trainer import FitResult, fit
+
+__all__ = ["flag_overrides", "resolve_run", "train_from_preset"]
+
+
+def flag_overrides(**flags: Any) -> list[str]:
+    """Command-line flags as ``--set`` overrides (None and False mean "not given").
+
+    Keys: ``epochs``, ``batch_size``, ``lr``, ``device``, ``data_dir``, ``seed``,
+    ``deterministic``, ``amp``, ``compile``.
+    """
+    paths = {
+        "epochs": "train.epochs",
+        "batch_size": "train.batch_size",
+        "lr": "train.lr",
+        "device": "train.device",
+        "data_dir": "data.data_dir",
+        "seed": "train.seed",
+        "deterministic": "train.deterministic",
+        "amp": "train.amp",
+        "compile": "train.compile",
+    }
+    unknown = set(flags) - set(paths)
+    if unknown:
+        raise TypeError(f"unknown training flags: {', '.join(sorted(unknown))}")
+    out = []
+    for key, path in paths.items():
+        value = flags.get(key)
+        if value is None or value is False:
+            continue
+        text = "true" if value is True else str(value)
+        out.append(f"{path}={text}")
+    return out
+
+
+def resolve_run(
+    preset: str | None,
+    resume: str | Path | None,
+    out: str | Path | None,
+    overrides: Sequence[str],
+) -> tuple[Preset, Path]:
+    """The preset to train and its run folder (default ``runs/<preset name>``; on resume, the
+    checkpoint's folder)."""
+    if resume is not None:
+        resume = Path(resume)
+        if not resume.exists():
+            raise UsageError(f"--resume {resume}: no such file")
+        base = load_resume_preset(resume)
+        p = preset_from_dict(apply_overrides(preset_to_dict(base), list(overrides)))
+        return p, Path(out) if out is not None else resume.parent
+    if preset is None:
+        raise UsageError("missing --preset NAME|FILE (see capsctl presets), or --resume CKPT")
+    p = load_preset(preset, list(overrides))
+    return p, Path(out) if out is not None else Path("runs") / (p.name or Path(preset).stem)
+
+
+def train_from_preset(
+    preset: str | None = None,
+    *,
+    resume: str | Path | None = None,
+    out: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    overwrite: bool = False,
+    on_event: EventFn = None,
+    handle_sigint: bool = True,
+    **flags: Any,
+) -> FitResult:
+    """Train a preset (a bundled name or a YAML file) or resume a run, as ``capsctl train`` does.
+
+    ``overrides`` are ``--set dotted.path=value`` strings; ``flags`` are the command's shortcuts
+    (see :func:`flag_overrides`) and apply after them.
+    """
+    p, run_dir = resolve_run(preset, resume, out, [*overrides, *flag_overrides(**flags)])
+    return fit(
+        p,
+        run_dir,
+        resume=resume,
+        overwrite=overwrite,
+        on_event=on_event,
+        handle_sigint=handle_sigint,
+    )

@@ -1,0 +1,375 @@
+"""The fit loop: set up, restore, train an epoch, end an epoch, test once.
+
+Data flow of :func:`fit`: preset -> datasets (train split into train/val, test kept apart,
+:mod:`capsctl.data.prepare`) -> model (:func:`capsctl.models.build_model_from_config`) ->
+optimizer, per-step LR schedule, optional EMA (:mod:`capsctl.training.recipe`) -> epochs. After
+each epoch the run folder (:mod:`capsctl.training.run_folder`) gets ``last.safetensors``
+(weights and everything needed to resume) and, when validation accuracy improved,
+``best.safetensors``; ``metrics.jsonl`` gets one line. At the end the best weights are evaluated
+once on the test split.
+
+Ctrl-C is turned into a flag checked between steps: the loop saves a mid-epoch checkpoint and
+raises :class:`Interrupted`; resuming skips the batches already done (the loader's order is a
+function of the seed and the epoch), so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import capsctl.training.run_folder as files
+from capsctl.atomic import write_text_atomic
+from capsctl.checkpoint import (
+    capture_rng_state,
+    load_checkpoint,
+    model_tensors,
+    pack_training_state,
+    save_checkpoint,
+)
+from capsctl.config import Preset
+from capsctl.devices import autocast, resolve_device
+from capsctl.errors import CapsctlError
+from capsctl.evaluation import EvalResult, evaluate
+from capsctl.events import EventFn, emit
+from capsctl.losses import count_correct
+from capsctl.training.distributed import Distributed
+from capsctl.training.interrupt import Interrupted, sigint_as_flag
+from capsctl.training.setup import RunSetUp
+
+__all__ = ["FitResult", "Interrupted", "Trainer", "fit"]
+
+
+@dataclass
+class FitResult:
+    out_dir: Path
+    epochs_done: int
+    best_epoch: int | None
+    best_val_accuracy: float | None
+    test: EvalResult | None
+    interrupted: bool
+    seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "out_dir": str(self.out_dir),
+            "epochs_done": self.epochs_done,
+            "best_epoch": self.best_epoch,
+            "best_val_accuracy": self.best_val_accuracy,
+            "test": self.test.to_dict() if self.test else None,
+            "interrupted": self.interrupted,
+            "seconds": self.seconds,
+            "history": self.history,
+        }
+
+
+def fit(
+    preset: Preset,
+    out_dir: str | Path,
+    *,
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    on_event: EventFn = None,
+    handle_sigint: bool = True,
+) -> FitResult:
+    """Train ``preset`` into ``out_dir``; resume from a ``last.safetensors`` if given.
+
+    Started by ``torchrun`` (``WORLD_SIZE`` > 1) it trains with DistributedDataParallel:
+    ``train.batch_size`` is then the global batch, split evenly over the processes.
+    """
+    t_start = time.perf_counter()
+    dist = Distributed.from_env(resolve_device(preset.train.device))
+    try:
+        trainer = Trainer(preset, Path(out_dir), dist, on_event if dist.is_main else None, t_start)
+        with sigint_as_flag(handle_sigint) as flag:
+            trainer.set_up(resume, overwrite, flag)
+            return trainer.run(flag)
+    finally:
+        dist.close()
+
+
+@dataclass
+class _EpochStats:
+    """Running sums of an epoch (kept on the device; mid-epoch checkpoints store them)."""
+
+    loss_sum: Tensor
+    correct: Tensor
+    seen: int = 0
+    resumed_seen: int = 0  # images done before an interruption (for the speed shown)
+
+    @classmethod
+    def start(cls, device: torch.device, partial: dict[str, Any] | None) -> _EpochStats:
+        stats = cls(
+            torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.int64)
+        )
+        if partial:
+            stats.loss_sum += float(partial["loss_sum"])
+            stats.correct += int(partial["correct"])
+            stats.seen = stats.resumed_seen = int(partial["seen"])
+        return stats
+
+
+class Trainer(RunSetUp):
+    """One training run; :func:`fit` is its public face."""
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self, flag: dict[str, bool]) -> FitResult:
+        """Epochs until the last, the time limit or Ctrl-C; then the final test."""
+        interrupted_in: int | None = None
+        with self.tensorboard or contextlib.nullcontext():
+            for epoch in range(self.start_epoch, self.t.epochs):
+                record = self.train_epoch(epoch, flag)
+                if record is None:
+                    interrupted_in = epoch
+                    break
+                if self.end_epoch(record):
+                    break
+        if interrupted_in is not None:
+            raise Interrupted(
+                f"interrupted during epoch {interrupted_in + 1}; the run is saved, resume with "
+                f"capsctl train --resume {self.out / files.LAST}"
+            )
+        return self.finish()
+
+    def train_epoch(self, epoch: int, flag: dict[str, bool]) -> dict[str, Any] | None:
+        """Train one epoch; its metrics record, or None when Ctrl-C stopped it (saved)."""
+        t = self.t
+        self.model.train()
+        self.loader.set_epoch(epoch)
+        emit(
+            self.on_event,
+            "epoch_start",
+            epoch=epoch + 1,
+            epochs=t.epochs,
+            steps=self.steps_per_epoch,
+        )
+        t0 = time.perf_counter()
+        resumed = self.partial if epoch == self.start_epoch else None
+        stats = _EpochStats.start(self.device, resumed)
+        skip = int(resumed["step"]) if resumed else 0
+        for step, (x, y) in enumerate(self.loader):
+            if step >= self.steps_per_epoch:
+                break
+            if step < skip:
+                continue  # done before the interruption; the loader's order is f(seed, epoch)
+            self._train_step(epoch, step, x, y, stats, flag, t0)
+            if flag["stop"]:
+                self._save_mid_epoch(epoch, step + 1, stats)
+                return None
+        train_time = time.perf_counter() - t0
+        loss_sum, correct, seen = self.dist.sum_stats(stats.loss_sum, stats.correct, stats.seen)
+        return {
+            "epoch": epoch + 1,
+            "train_loss": float(loss_sum) / max(seen, 1),
+            "train_accuracy": float(correct) / max(seen, 1),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "epoch_seconds": train_time,
+            "images_per_s": seen / max(train_time, 1e-9),
+        }
+
+    def _train_step(
+        self,
+        epoch: int,
+        step: int,
+        x: Tensor,
+        y: Tensor,
+        stats: _EpochStats,
+        flag: dict[str, bool],
+        t0: float,
+    ) -> None:
+        t = self.t
+        if t.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with autocast(self.device, t.amp):
+            logits = self.step_fn(x)
+            progress = (epoch * self.steps_per_epoch + step) / self.total_steps
+            loss = self.loss_fn(logits.float(), y, progress)
+        # with several processes, every rank learns of a bad loss or a Ctrl-C at once
+        bad, flag["stop"] = self.dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
+        if bad:
+            self._non_finite(loss, epoch, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        stats.loss_sum += loss.detach() * y.numel()
+        stats.correct += count_correct(logits.detach(), y)
+        stats.seen += int(y.numel())
+        if self.on_event is not None:
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            self.on_event(
+                {
+                    "event": "step",
+                    "epoch": epoch + 1,
+                    "epochs": t.epochs,
+                    "step": step + 1,
+                    "steps": self.steps_per_epoch,
+                    "loss": float(loss.detach()),
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "images_per_s": (stats.seen - stats.resumed_seen) / elapsed,
+                }
+            )
+
+    def _non_finite(self, loss: Tensor, epoch: int, step: int) -> None:
+        last = self.out / files.LAST
+        kept = (
+            f"the last good checkpoint ({last}) is kept"
+            if last.exists()
+            else "no checkpoint was written yet"
+        )
+        raise CapsctlError(
+            f"loss became {float(loss.detach())} at epoch {epoch + 1}, step {step + 1}; {kept}. "
+            "Lower train.lr or set train.grad_clip"
+        )
+
+    def _save_mid_epoch(self, epoch: int, done: int, stats: _EpochStats) -> None:
+        """Save mid-epoch: resume skips the batches already done and continues exactly."""
+        partial = {
+            "step": done,
+            "loss_sum": float(stats.loss_sum),
+            "correct": int(stats.correct),
+            "seen": stats.seen,
+        }
+        self.save_last(epoch, self.history[-1] if self.history else {}, {"partial": partial})
+
+    # -- end of an epoch -----------------------------------------------------------------------
+
+    def end_epoch(self, record: dict[str, Any]) -> bool:
+        """Validation, checkpoints and the metrics line; True when the time limit is reached."""
+        if self.dist.is_main:
+            self._validate_and_save(record)
+        else:
+            self.history.append(record)
+        self.dist.barrier()
+        limit = self.t.time_limit
+        over_time = limit is not None and time.perf_counter() - self.t_start > limit
+        if self.dist.any_flags(over_time)[0]:
+            emit(self.on_event, "time_limit", epoch=record["epoch"])
+            return True
+        return False
+
+    def _validate_and_save(self, record: dict[str, Any]) -> None:
+        """Main process: validation, best/last checkpoints and the metrics line."""
+        data = self.data
+        if data.val is not None:
+            ev = self._evaluate(self.eval_model(), data.val, "val")
+            record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
+            improved = ev.accuracy > self.best_acc
+        else:
+            improved = True
+        if improved:
+            self.best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
+            self.best_epoch = int(record["epoch"])
+            save_checkpoint(
+                self.out / files.BEST,
+                model_tensors(self.eval_model()),
+                {**self.base_meta, "epoch": record["epoch"], "metrics": record, "kind": "best"},
+            )
+        record["best"] = improved
+        self.history.append(record)
+        if self.tensorboard is not None:
+            self.tensorboard.log_epoch(record)
+        files.write_metrics(self.out / files.METRICS, self.history)
+        self.save_last(int(record["epoch"]), record)
+        emit(self.on_event, "epoch_end", **record, epochs=self.t.epochs)
+
+    def eval_model(self) -> nn.Module:
+        """The weights evaluation sees: the EMA's when it is on."""
+        if self.ema is None:
+            return self.model
+        shadow = copy.deepcopy(self.model)
+        shadow.load_state_dict(self.ema.state_dict())
+        return shadow
+
+    def _evaluate(self, model: nn.Module, ds: Any, split: str) -> EvalResult:
+        data = self.data
+        return evaluate(
+            model,
+            ds,
+            batch_size=self.t.eval_batch_size,
+            device=self.device,
+            mean=data.mean,
+            std=data.std,
+            classes=data.classes,
+            split=split,
+            amp=self.t.amp,
+            loss=self.own_loss,
+        )
+
+    def save_last(
+        self, epoch: int, metrics: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> None:
+        if not self.dist.is_main:
+            return
+        tensors, state_meta = pack_training_state(
+            self.optimizer.state_dict(),
+            self.scheduler.state_dict(),
+            self.ema.state_dict() if self.ema else None,
+            capture_rng_state(),
+        )
+        best_acc = self.best_acc if self.best_acc >= 0 else None
+        meta = {
+            **self.base_meta,
+            "epoch": epoch,
+            "metrics": metrics,
+            "kind": "last",
+            "best": {"epoch": self.best_epoch, "val_accuracy": best_acc},
+            **state_meta,
+            **(extra or {}),
+        }
+        save_checkpoint(self.out / files.LAST, {**model_tensors(self.model), **tensors}, meta)
+        emit(self.on_event, "checkpoint", path=str(self.out / files.LAST), epoch=epoch)
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def finish(self) -> FitResult:
+        """Test the best weights once, write results.json and the curves."""
+        test = self._final_test() if self.dist.is_main else None
+        epochs_done = self.history[-1]["epoch"] if self.history else self.start_epoch
+        result = FitResult(
+            self.out,
+            epochs_done,
+            self.best_epoch,
+            self.best_acc if self.best_acc >= 0 else None,
+            test,
+            False,
+            time.perf_counter() - self.t_start,
+            self.history,
+        )
+        if self.dist.is_main:
+            write_text_atomic(self.out / files.RESULTS, _json(result.to_dict()))
+            if self.preset.log.curves:
+                files.draw_curves(self.out, self.on_event)
+        return result
+
+    def _final_test(self) -> EvalResult | None:
+        best = self.out / files.BEST
+        if not best.exists():
+            return None
+        best_model, best_meta = load_checkpoint(best, device=self.device)
+        result = self._evaluate(best_model, self.data.test, "test")
+        summary = {k: v for k, v in result.to_dict().items() if k != "confusion"}
+        best_meta["test"] = summary
+        best_meta["test_name"] = self.data.test_name
+        save_checkpoint(best, model_tensors(best_model), best_meta)
+        emit(self.on_event, "test", **summary)
+        return result
+
+
+def _json(doc: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(doc, indent=2)

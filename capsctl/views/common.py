@@ -1,0 +1,85 @@
+"""Terminal basics: the two consoles, number formats, tables, ``--json`` and error lines.
+
+Only the CLI and the views import this package. ``NO_COLOR`` is honoured by rich itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _width(stream: object) -> int | None:
+    """Terminal width for a TTY (rich decides); a wide page when output is piped or captured."""
+    if os.environ.get("COLUMNS"):
+        return None
+    isatty = getattr(stream, "isatty", None)
+    return None if callable(isatty) and isatty() else 160
+
+
+out = Console(highlight=False, width=_width(sys.stdout))
+err = Console(stderr=True, highlight=False, width=_width(sys.stderr))
+
+
+def print_json(doc: Any) -> None:
+    """One JSON document on stdout and nothing else (rich would wrap long lines)."""
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+
+
+def note(message: str) -> None:
+    err.print(message, soft_wrap=True)
+
+
+def fmt_int(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def fmt_pct(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table(
+    title: str | None,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    right: Sequence[int] = (),
+) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    last = len(columns) - 1
+    for i, c in enumerate(columns):
+        t.add_column(
+            c,
+            justify="right" if i in right else "left",
+            no_wrap=i != last,
+            overflow="fold" if i != last else "ellipsis",
+        )
+    for r in rows:
+        t.add_row(*[str(v) for v in r])
+    return t

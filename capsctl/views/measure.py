@@ -1,0 +1,111 @@
+"""``capsctl bench`` and ``capsctl compare``: speed, memory, size and accuracy side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from capsctl.views.common import fmt_bytes, fmt_int, fmt_pct, fmt_ratio, fmt_s, note, out, table
+
+__all__ = ["footer_line", "footer_lines", "print_bench", "print_compare"]
+
+
+def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
+    import torch
+
+    ref = any(r.name == "resnet18" for r in rows)
+    cols = ["model", "params", "T", "routing", "train step", "min", "infer img/s", "peak mem"]
+    if ref:
+        cols += ["train vs resnet18", "infer vs resnet18"]
+    body = []
+    for r in rows:
+        mem = r.peak_device_bytes if r.peak_device_bytes is not None else r.peak_rss_bytes
+        row = [
+            r.name,
+            fmt_int(r.params),
+            r.iterations or "-",
+            r.routing or "-",
+            fmt_s(r.train_step_s),
+            fmt_s(r.train_step_min_s),
+            "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
+            fmt_bytes(mem),
+        ]
+        if ref:
+            row += [fmt_ratio(r.train_ratio), fmt_ratio(r.infer_ratio)]
+        body.append(row)
+    title = (
+        f"capsctl bench  device {rows[0].device}  batch {batch_size}  {iters} timed steps  "
+        f"{torch.get_num_threads()} threads  torch {torch.__version__}"
+    )
+    out.print(table(title, cols, body, right=(1, 2, 4, 5, 6, 7, 8, 9)))
+    note(
+        "peak mem: resident memory of the whole process while the model ran (device memory on GPU)"
+    )
+
+
+def _times(r: float) -> str:
+    return f"{r:.2f}x" if r < 2 else f"{r:.1f}x"
+
+
+def _slower(r: float) -> str:
+    return f"{_times(r)} slower" if r >= 1 else f"{_times(1 / r)} faster"
+
+
+def footer_line(r: Any) -> str:
+    """One sentence from a :class:`capsctl.compare.ReferenceRatios`."""
+    if r.params_about_equal:
+        parts = [f"about as many parameters as {r.reference}"]
+    elif r.params < 1:
+        parts = [f"{_times(1 / r.params)} fewer parameters than {r.reference}"]
+    else:
+        parts = [f"{_times(r.params)} the parameters of {r.reference}"]
+    if r.gflops is not None:
+        flops = f"{_times(r.gflops)} the FLOPs"
+        if r.gflops_all_passes is not None:
+            flops += f" ({_times(r.gflops_all_passes)} with every routing pass)"
+        parts.append(flops)
+    if r.train_step is not None:
+        parts.append(f"training step {_slower(r.train_step)}")
+    if r.inference is not None:
+        parts.append(f"inference {_slower(r.inference)}")
+    return f"{r.name}: {', '.join(parts)}"
+
+
+def footer_lines(report: Any) -> list[str]:
+    return [footer_line(r) for r in report.ratios]
+
+
+def _compare_row(r: Any, speed: bool) -> list[Any]:
+    row = [
+        r.name,
+        fmt_int(r.params["total"]),
+        fmt_int(r.params["backbone"]),
+        fmt_int(r.params["capsules"]),
+        f"{r.gflops:.3f}",
+        "-" if r.gflops_all_passes is None else f"{r.gflops_all_passes:.3f}",
+        "-" if r.iterations is None else f"{r.iterations} {r.routing}",
+    ]
+    if speed:
+        row += [
+            fmt_s(r.train_step_s),
+            "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
+            fmt_bytes(r.peak_memory_bytes),
+        ]
+    return row + [fmt_pct(r.accuracy), fmt_pct(r.reference_accuracy)]
+
+
+def print_compare(report: Any, speed: bool) -> None:
+    cols = ["model", "params", "backbone", "capsules", "GFLOPs", "all passes", "T"]
+    if speed:
+        cols += ["train step", "infer img/s", "peak mem"]
+    cols += ["accuracy", "published"]
+    body = [_compare_row(r, speed) for r in report.rows]
+    out.print(table("capsctl compare", cols, body, right=tuple(range(1, len(cols)))))
+    for line in footer_lines(report):
+        out.print(line)
+    note(report.flops_note)
+    for r in report.rows:
+        if r.reference_source:
+            note(f"published ({r.name}): {r.reference_source}")
+    for src in sorted({r.accuracy_source for r in report.rows if r.accuracy_source}):
+        note(f"accuracy source: {src}")
