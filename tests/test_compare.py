@@ -433,7 +433,7 @@ def test_evaluate_recomputes_checkpoint_accuracy(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The real evaluation of this checkpoint on the bundled test set works but takes seconds on
-    # a busy 2-core machine; the engine's own tests cover it. Here: what compare passes and keeps.
+    # a busy 2-core machine; evaluation's own tests cover it. Here: what compare passes and keeps.
     calls: list[tuple[Path, dict]] = []
 
     def fake(path: Path, **kwargs: object) -> tuple[SimpleNamespace, dict]:

@@ -201,7 +201,7 @@ def test_training_options_take_effect(tmp_path: Path, monkeypatch: pytest.Monkey
     """Each option does what it says during a real run: bf16 activations inside autocast,
     channels_last weights and inputs, gradients clipped to the given norm; AdamW with cosine
     and warmup and label smoothing train and change the result."""
-    import capsctl.training.setup as engine
+    import capsctl.training.setup as setup
 
     built = _spy_on_models(monkeypatch)
     seen: dict[str, list] = {"act": [], "channels_last": [], "pre_clip": [], "post_clip": []}
@@ -230,13 +230,13 @@ def test_training_options_take_effect(tmp_path: Path, monkeypatch: pytest.Monkey
         return total
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
-    real_optimizer = engine.make_optimizer
+    real_optimizer = setup.make_optimizer
 
     def make_optimizer(model: torch.nn.Module, preset: Preset) -> torch.optim.Optimizer:
         watch(model)
         return real_optimizer(model, preset)
 
-    monkeypatch.setattr(engine, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(setup, "make_optimizer", make_optimizer)
 
     plain = fit(tiny_preset(epochs=1, ema_decay=None), tmp_path / "plain", handle_sigint=False)
     assert set(seen["act"]) == {torch.float32} and not any(seen["channels_last"])
