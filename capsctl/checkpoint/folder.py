@@ -33,7 +33,13 @@ from typing import Any
 
 import torch
 
-from capsctl.checkpoint.format import MODEL_PREFIX, library_versions, load_file_tensors, read_header
+from capsctl.checkpoint.format import (
+    MODEL_PREFIX,
+    library_versions,
+    load_file_tensors,
+    read_header,
+    state_mismatch,
+)
 from capsctl.errors import CapsctlError, CheckpointError
 
 __all__ = [
@@ -256,18 +262,9 @@ def check_folder_state(
     ``state`` holds the tensors of ``model.safetensors`` under their stored names. Raises a
     one-line :class:`CheckpointError` naming the first problems.
     """
-    expected = model.state_dict()
-    problems = [f"missing tensor {k!r}" for k in expected if k not in state]
-    problems += [f"unexpected tensor {k!r}" for k in state if k not in expected]
-    problems += [
-        f"tensor {k!r} has shape {list(state[k].shape)}, the model needs {list(v.shape)}"
-        for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
-    ]
+    problems = state_mismatch(model, state, lambda k: f"tensor {k!r}")
     if problems:
-        shown = ", ".join(problems[:3])
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(
             f"{folder / WEIGHTS_NAME} does not match the model of {CONFIG_NAME} "
-            f"({shown}{more}); the folder is inconsistent: export it again"
+            f"({problems}); the folder is inconsistent: export it again"
         )

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +338,22 @@ def load_file_tensors(
         raise CheckpointError(
             f"cannot load tensors from {path}: {' '.join(str(e).split())}"
         ) from None
+
+
+def state_mismatch(
+    model: torch.nn.Module, state: Mapping[str, torch.Tensor], name: Callable[[str], str]
+) -> str | None:
+    """The first problems between ``model``'s tensors and ``state`` as one phrase (missing,
+    unexpected, wrong shape; ``name`` renders a tensor's key), or None when they fit."""
+    expected = model.state_dict()
+    problems = [f"missing {name(k)}" for k in expected if k not in state]
+    problems += [f"unexpected {name(k)}" for k in state if k not in expected]
+    problems += [
+        f"{name(k)} has shape {tuple(state[k].shape)}, the model needs {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if not problems:
+        return None
+    more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return ", ".join(problems[:3]) + more

@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from capsctl.checkpoint.folder import check_folder_state, load_folder_tensors, read_folder_metadata
-from capsctl.checkpoint.format import MODEL_PREFIX, decode_metadata, load_file_tensors, read_header
+from capsctl.checkpoint.format import (
+    MODEL_PREFIX,
+    decode_metadata,
+    load_file_tensors,
+    read_header,
+    state_mismatch,
+)
 from capsctl.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -139,18 +145,9 @@ def load_checkpoint(
 
 
 def _check_state(path: Path, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
-    problems = [f"missing model.{k}" for k in expected if k not in state]
-    problems += [f"unexpected model.{k}" for k in state if k not in expected]
-    problems += [
-        f"model.{k} has shape {tuple(state[k].shape)}, the model needs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
-    ]
+    problems = state_mismatch(model, state, lambda k: f"{MODEL_PREFIX}{k}")
     if problems:
-        shown = ", ".join(problems[:3])
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(
-            f"{path}: its metadata does not match its tensors ({shown}{more}); the file is "
+            f"{path}: its metadata does not match its tensors ({problems}); the file is "
             "inconsistent or from another capsctl version"
         )
