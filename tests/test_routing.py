@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from capsctl.layers.algorithm import Capsules
 from capsctl.layers.capsules import ConvCapsules, FCCapsules
 from capsctl.layers.routing import ChunkedRoutedPass, routed_pass, routed_pass_reference
 from capsctl.models.capsnet import CapsNet
@@ -238,15 +239,14 @@ def tiny_config(
             CapsLayerSpec(kind="fc", types=2, pose_dim=dim, pose=pose),
         ],
         class_pose=pose,
-        iterations=iterations,
-        routing=routing,  # type: ignore[arg-type]
+        router={"name": "idpa", "iterations": iterations, "schedule": routing},
     )
 
 
 def naive_model(model: CapsNet, x: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """The concurrent or sequential schedule (Tsai et al. 2020) with the naive layers and no
     skipped passes."""
-    child = model.primary(model.backbone(x))
+    child = model.primary(model.backbone(x)).poses
     layers = list(model.capsules)
     big_t = model.iterations
 
@@ -264,7 +264,7 @@ def naive_model(model: CapsNet, x: torch.Tensor) -> tuple[torch.Tensor, list[lis
                 parent, co = run(layer, child, parent)
                 coeffs[i].append(co)
             child = parent
-        return model.head(child).squeeze(-1), coeffs
+        return model.head(Capsules(child)), coeffs
     poses = [child]
     for i, layer in enumerate(layers):
         out, co = run(layer, poses[-1], None)
@@ -276,7 +276,7 @@ def naive_model(model: CapsNet, x: torch.Tensor) -> tuple[torch.Tensor, list[lis
             new[i + 1], co = run(layer, poses[i], poses[i + 1])
             coeffs[i].append(co)
         poses = new
-    return model.head(poses[-1]).squeeze(-1), coeffs
+    return model.head(Capsules(poses[-1])), coeffs
 
 
 @pytest.mark.parametrize("routing", ["concurrent", "sequential"])

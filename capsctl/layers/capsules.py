@@ -51,6 +51,21 @@ class PrimaryCapsules(nn.Module):
         return self.norm(y)
 
 
+class PrimaryCapsulesWithActivations(PrimaryCapsules):
+    """Poses from a 1x1 convolution (no LayerNorm) and one activation per capsule from a 1x1
+    convolution with bias and a sigmoid (EM routing, self-routing).
+
+    ``forward`` returns poses ``[b, h, w, n, d]`` and activations ``[b, h, w, n]``."""
+
+    def __init__(self, in_channels: int, types: int, dim: int) -> None:
+        super().__init__(in_channels, types, dim, layer_norm=False)
+        self.act = nn.Conv2d(in_channels, types, kernel_size=1)
+
+    def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        act = torch.sigmoid(self.act(feats)).permute(0, 2, 3, 1)  # [b, n, h, w] -> [b, h, w, n]
+        return super().forward(feats), act
+
+
 class CapsuleLayer(nn.Module):
     """Common part of the FC and conv capsule layers: weights, init, dropout, LayerNorm.
 
@@ -104,9 +119,28 @@ class CapsuleLayer(nn.Module):
         """Dropout then LayerNorm over the pose entries (last dim)."""
         return self.norm(self.dropout(s))
 
+    def uniform_sum(self, child: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def uniform(self, child: Tensor) -> Tensor:
+        """First pass, every coefficient ``1/m``, then dropout and LayerNorm: parent poses."""
+        return self.finish(self.uniform_sum(child))
+
+    def route(self, child: Tensor, parent: Tensor) -> tuple[Tensor, Tensor]:
+        """Routed pass against the parent poses of the previous iteration; returns the new
+        parent poses (after dropout and LayerNorm) and the coefficients (``[b, n, m]`` for FC
+        layers, ``[b, h, w, k, l, n, m]`` for conv layers)."""
+        s, r = self.routed_sum(child, parent, self.scale)
+        return self.finish(s), r
+
 
 class FCCapsules(CapsuleLayer):
     """Every child capsule votes for every parent. Weights ``W[n, x, m, c]``."""
+
+    kind = "fc"
 
     def __init__(
         self,
@@ -138,8 +172,8 @@ class FCCapsules(CapsuleLayer):
             )
         return flat
 
-    def uniform(self, child: Tensor) -> Tensor:
-        """First pass, every coefficient ``1/m``: one matrix product."""
+    def uniform_sum(self, child: Tensor) -> Tensor:
+        """``S = sum_i V_ij / m`` (every coefficient ``1/m``): one matrix product."""
         x = self._children(child)
         b = x.shape[0]
         n, m, a = self.in_types, self.out_types, self.rows
@@ -147,22 +181,24 @@ class FCCapsules(CapsuleLayer):
         wm = self.weight.reshape(n * self.cols_in, m * self.cols_out)  # [n*x, m*c]
         s = xm.reshape(b * a, n * self.cols_in) @ wm  # [b*a, n*x] @ [n*x, m*c] -> [b*a, m*c]
         s = s.view(b, a, m, self.cols_out).transpose(1, 2)  # [b, m, a, c]
-        s = s.reshape(b, m, self.out_dim) * (1.0 / m)  # [b, m, d]
-        return self.finish(s)
+        return s.reshape(b, m, self.out_dim) * (1.0 / m)  # [b, m, d]
 
-    def route(self, child: Tensor, parent: Tensor) -> tuple[Tensor, Tensor]:
-        """Routed pass; returns new parent poses ``[b, m, d]`` and coefficients ``[b, n, m]``."""
+    def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """``S_j = sum_i R_ij V_ij`` with ``R_ij = softmax_j(scale * <V_ij, Q_j>)`` for queries
+        ``Q[b, m, d]``: ``S[b, m, d]`` (no dropout, no LayerNorm) and ``R[b, n, m]``."""
         x = self._children(child)
         b = x.shape[0]
         n, m, a = self.in_types, self.out_types, self.rows
         xj = x.view(b, n, a, self.cols_in).permute(1, 0, 2, 3)  # [J=n, B=b, a, x]
-        p = parent.reshape(b, m, a, self.cols_out)  # [B=b, m, a, c]
-        s, r = routed_pass_in_float32(xj, self.weight, p, self.scale)  # [b, m, a, c], [n, b, m]
-        return self.finish(s.reshape(b, m, self.out_dim)), r.permute(1, 0, 2)  # [b, n, m]
+        p = query.reshape(b, m, a, self.cols_out)  # [B=b, m, a, c]
+        s, r = routed_pass_in_float32(xj, self.weight, p, scale)  # [b, m, a, c], [n, b, m]
+        return s.reshape(b, m, self.out_dim), r.permute(1, 0, 2)  # [b, m, d], [b, n, m]
 
     def uniform_coefficients(self, child: Tensor) -> Tensor:
+        """The first pass's coefficients ``1/m``, ``[b, n, m]`` (a broadcast view)."""
         b = child.shape[0]
-        return child.new_full((b, self.in_types, self.out_types), 1.0 / self.out_types)
+        one = child.new_full((1, 1, 1), 1.0 / self.out_types)  # [1, 1, 1]
+        return one.expand(b, self.in_types, self.out_types)  # [b, n, m]
 
 
 class ConvCapsules(CapsuleLayer):
@@ -172,6 +208,8 @@ class ConvCapsules(CapsuleLayer):
     the parent types at each output position, separately for each window a child falls in
     (the authors' behaviour).
     """
+
+    kind = "conv"
 
     def __init__(
         self,
@@ -201,8 +239,8 @@ class ConvCapsules(CapsuleLayer):
     def out_size(self, size: int) -> int:
         return (size - self.kernel) // self.stride + 1
 
-    def uniform(self, child: Tensor) -> Tensor:
-        """First pass: with every coefficient ``1/m`` the layer is a convolution per pose row."""
+    def uniform_sum(self, child: Tensor) -> Tensor:
+        """With every coefficient ``1/m`` the sum of votes is a convolution per pose row."""
         b, hh, ww, n, _ = child.shape
         a, xd, m, c = self.rows, self.cols_in, self.out_types, self.cols_out
         inp = child.view(b, hh, ww, n, a, xd).permute(0, 4, 3, 5, 1, 2)  # [b, a, n, x, H, W]
@@ -213,8 +251,7 @@ class ConvCapsules(CapsuleLayer):
         y = F.conv2d(inp, wconv, stride=self.stride)  # [b*a, m*c, h, w]
         h, w = y.shape[-2:]
         y = y.view(b, a, m, c, h, w).permute(0, 4, 5, 2, 1, 3)  # [b, h, w, m, a, c]
-        s = y.reshape(b, h, w, m, self.out_dim) * (1.0 / m)  # [b, h, w, m, d]
-        return self.finish(s)
+        return y.reshape(b, h, w, m, self.out_dim) * (1.0 / m)  # [b, h, w, m, d]
 
     def _windows(self, child: Tensor) -> tuple[Tensor, int, int]:
         """Child poses of every window as ``X[J=(k,l,n), B=(b,h,w), a, x]``."""
@@ -226,21 +263,22 @@ class ConvCapsules(CapsuleLayer):
         xj = xj.reshape(k * k * n, b * h * w, self.rows, self.cols_in)  # [J, B, a, x]
         return xj, h, w
 
-    def route(self, child: Tensor, parent: Tensor) -> tuple[Tensor, Tensor]:
-        """Routed pass; returns parent poses ``[b, h, w, m, d]`` and coefficients
-        ``[b, h, w, k, l, n, m]``."""
+    def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """``S_j = sum_i R_ij V_ij``, ``R_ij = softmax_j(scale * <V_ij, Q_j>)`` over the parent
+        types of each window, for queries ``Q[b, h, w, m, d]``: ``S[b, h, w, m, d]`` (no dropout,
+        no LayerNorm) and ``R[b, h, w, k, l, n, m]``."""
         b, n = child.shape[0], self.in_types
         k, m = self.kernel, self.out_types
         xj, h, w = self._windows(child)
         wj = self.weight.reshape(k * k * n, self.cols_in, m, self.cols_out)  # [J, x, m, c]
-        p = parent.reshape(b * h * w, m, self.rows, self.cols_out)  # [B, m, a, c]
-        s, r = routed_pass_in_float32(xj, wj, p, self.scale)  # [B, m, a, c], [J, B, m]
-        out = self.finish(s.reshape(b, h, w, m, self.out_dim))  # [b, h, w, m, d]
+        p = query.reshape(b * h * w, m, self.rows, self.cols_out)  # [B, m, a, c]
+        s, r = routed_pass_in_float32(xj, wj, p, scale)  # [B, m, a, c], [J, B, m]
         coeffs = r.view(k, k, n, b, h, w, m).permute(3, 4, 5, 0, 1, 2, 6)  # [b, h, w, k, l, n, m]
-        return out, coeffs
+        return s.reshape(b, h, w, m, self.out_dim), coeffs  # [b, h, w, m, d]
 
     def uniform_coefficients(self, child: Tensor) -> Tensor:
         b, hh, ww = child.shape[:3]
         h, w = self.out_size(hh), self.out_size(ww)
         k, n, m = self.kernel, self.in_types, self.out_types
-        return child.new_full((b, h, w, k, k, n, m), 1.0 / m)
+        one = child.new_full((1,) * 7, 1.0 / m)  # [1, 1, 1, 1, 1, 1, 1]
+        return one.expand(b, h, w, k, k, n, m)  # [b, h, w, k, l, n, m] (a broadcast view)

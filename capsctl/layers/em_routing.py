@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from capsctl.layers.baseline_capsules import BaselineCapsules, window_sites
+from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
+from capsctl.layers.routing import _DENSE
 
 # Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
 # the authors' published implementation (google-research/google-research, capsule_em/).
@@ -174,22 +176,14 @@ def em_routing(
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
     bsz, m, j, _ = votes.shape
-    if grid is None:
-        r = votes.new_full((bsz, m, j), 1.0 / m)  # [B, m, J]
-    else:
-        windows = grid.sum_overwindow_sites(votes.new_ones(bsz, j))  # [B, J]
-        r = (1.0 / (m * windows)).unsqueeze(1).expand(bsz, m, j)  # [B, m, J]
+    r = _first_assignment(votes, bsz, m, j, grid)  # [B, m, J]
     a_w = a_in.unsqueeze(1)  # [B, 1, J]
-    bu = beta_u.view(1, m, 1)  # [1, m, 1]
-    ba = beta_a.view(1, m)  # [1, m]
-    log_2pi = math.log(2.0 * math.pi)
     rs: list[Tensor] = []
     mus: list[Tensor] = []
     acts: list[Tensor] = []
     mu = votes.new_zeros(bsz, m, votes.shape[-1])
     a_out = votes.new_zeros(bsz, m)
     for t in range(iterations):
-        lam = em_inverse_temperature(final_lambda, t)
         rs.append(r)
         # M-step
         ra = r * a_w  # [B, m, J]
@@ -200,25 +194,114 @@ def em_routing(
         diff2 = diff * diff  # [B, m, J, d]
         var = (wts.unsqueeze(2) @ diff2).squeeze(2) + EM_VAR_EPS  # [B, m, d]
         log_var = torch.log(var)  # [B, m, d]; log sigma = log_var / 2
-        cost = ((bu + 0.5 * log_var) * mass).sum(-1)  # [B, m]
-        if standardize_costs:
-            mean = cost.mean(-1, keepdim=True)  # [B, 1]
-            std = torch.sqrt((cost - mean).pow(2).mean(-1, keepdim=True) + EM_COST_EPS**2)
-            cost = (cost - mean) / (std + EM_COST_EPS)  # [B, m]
-        pre = lam * (ba - cost)  # [B, m]
+        pre = _pre_activation(mass, log_var, beta_u, beta_a, final_lambda, t, standardize_costs)
         a_out = torch.sigmoid(pre)  # [B, m]
         mus.append(mu)
         acts.append(a_out)
         if t + 1 < iterations:
-            # E-step: log p_ij = -sum_h [(V - mu)^2 / (2 sigma^2) + log(2 pi sigma^2) / 2]
+            # E-step: sum_h (V - mu)^2 / sigma^2
             maha = (diff2 @ (1.0 / var).unsqueeze(-1)).squeeze(-1)  # [B, m, J, d] @ [B, m, d, 1]
-            log_norm = 0.5 * (log_var + log_2pi).sum(-1, keepdim=True)  # [B, m, 1]
-            log_ap = F.logsigmoid(pre).unsqueeze(-1) - 0.5 * maha - log_norm  # [B, m, J]
-            if grid is None:
-                r = torch.softmax(log_ap, dim=1)  # [B, m, J]
-            else:
-                r = _SoftmaxOverParents.apply(log_ap, grid)  # [B, m, J]
+            r = _e_step(maha, log_var, pre, grid)  # [B, m, J]
     return mu, a_out, rs, mus, acts
+
+
+def _first_assignment(like: Tensor, bsz: int, m: int, j: int, grid: WindowGrid | None) -> Tensor:
+    """``R[B, m, J]`` of the first M-step: uniform over the parents each child votes for."""
+    if grid is None:
+        return like.new_full((bsz, m, j), 1.0 / m)  # [B, m, J]
+    windows = grid.sum_overwindow_sites(like.new_ones(bsz, j))  # [B, J]
+    return (1.0 / (m * windows)).unsqueeze(1).expand(bsz, m, j)  # [B, m, J]
+
+
+def _pre_activation(
+    mass: Tensor,
+    log_var: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    final_lambda: float,
+    t: int,
+    standardize_costs: bool,
+) -> Tensor:
+    """``lambda_t (beta_a - sum_h cost^h)`` with ``cost^h = (beta_u + log sigma^h) mass``:
+    ``mass[B, m, 1]``, ``log_var[B, m, d]`` -> ``[B, m]`` (costs standardized over the ``m``
+    parent types if asked)."""
+    m = log_var.shape[1]
+    cost = ((beta_u.view(1, m, 1) + 0.5 * log_var) * mass).sum(-1)  # [B, m]
+    if standardize_costs:
+        mean = cost.mean(-1, keepdim=True)  # [B, 1]
+        std = torch.sqrt((cost - mean).pow(2).mean(-1, keepdim=True) + EM_COST_EPS**2)
+        cost = (cost - mean) / (std + EM_COST_EPS)  # [B, m]
+    return em_inverse_temperature(final_lambda, t) * (beta_a.view(1, m) - cost)  # [B, m]
+
+
+def _e_step(maha: Tensor, log_var: Tensor, pre: Tensor, grid: WindowGrid | None) -> Tensor:
+    """The next ``R[B, m, J]`` from ``maha[B, m, J] = sum_h (V - mu)^2 / sigma^2``:
+    ``log p = -maha / 2 - sum_h log(2 pi sigma^2) / 2``; a softmax of ``log a + log p`` over
+    every parent the child votes for (those of its site when ``grid`` is None)."""
+    log_norm = 0.5 * (log_var + math.log(2.0 * math.pi)).sum(-1, keepdim=True)  # [B, m, 1]
+    log_ap = F.logsigmoid(pre).unsqueeze(-1) - 0.5 * maha - log_norm  # [B, m, J]
+    if grid is None:
+        return torch.softmax(log_ap, dim=1)  # [B, m, J]
+    return _SoftmaxOverParents.apply(log_ap, grid)  # [B, m, J]
+
+
+def em_routing_chunked(
+    xs: Tensor,
+    weight: Tensor,
+    a_in: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iterations: int,
+    final_lambda: float = EM_FINAL_LAMBDA,
+    *,
+    rows: int,
+    grid: WindowGrid | None = None,
+    standardize_costs: bool = False,
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    """:func:`em_routing` of the votes ``V_ij = X_i W_ij`` without building them whole.
+
+    ``xs[B, J, a*x]`` child poses (``a = rows``), ``weight[J, x, m, c]`` (any leading dims that
+    flatten to ``J``). Same math and results; the votes are built chunk by chunk of parent sites
+    and built again in the backward pass (:mod:`capsctl.layers.em_kernels`), so no vote-sized
+    tensor is kept. The moments are taken about the activation-weighted mean vote ``s``
+    (:func:`vote_shift`): with ``V' = V - s`` and ``w = r / (mass + EM_EPS)``,
+    ``mu - s = delta = sum w V' + s (sum w - 1)``,
+    ``sigma^2 = sum w V'^2 - 2 delta sum w V' + delta^2 sum w + EM_VAR_EPS`` and
+    ``sum_h (V - mu)^2 / sigma^2 = sum_h (V'^2 - 2 delta V' + delta^2) / sigma^2``.
+    """
+    if iterations < 1:
+        raise ValueError("iterations must be >= 1")
+    bsz, j = a_in.shape
+    xd, m, c = weight.shape[-3:]
+    x = xs.view(bsz, j, rows, xd).permute(1, 0, 2, 3).contiguous()  # [J, B, a, x]
+    wc = weight.reshape(j, xd, m, c).transpose(2, 3).reshape(j, xd, c * m)  # [J, x, c*m]
+    shift = vote_shift(xs.view(bsz, j, rows, xd), wc, a_in, m)  # [B, d, m]
+    s_bm = shift.transpose(1, 2)  # [B, m, d]
+    r = _first_assignment(xs, bsz, m, j, grid)  # [B, m, J]
+    rs: list[Tensor] = []
+    mus: list[Tensor] = []
+    acts: list[Tensor] = []
+    for t in range(iterations):
+        rs.append(r)
+        ra = r * a_in.unsqueeze(1)  # [B, m, J]
+        mass = ra.sum(-1, keepdim=True)  # [B, m, 1]
+        inv = 1.0 / (mass + EM_EPS)  # [B, m, 1]
+        s = VoteMoments.apply(ra.permute(2, 0, 1).contiguous(), x, wc, shift)  # [2, B, d, m]
+        m1, m2 = s[0].transpose(1, 2) * inv, s[1].transpose(1, 2) * inv  # [B, m, d] each
+        sw = mass * inv  # [B, m, 1]
+        delta = m1 + s_bm * (sw - 1.0)  # [B, m, d]; mu - s
+        mus.append(s_bm + delta)  # [B, m, d]
+        var = m2 - 2.0 * delta * m1 + delta * delta * sw + EM_VAR_EPS  # [B, m, d]
+        log_var = torch.log(var)  # [B, m, d]
+        pre = _pre_activation(mass, log_var, beta_u, beta_a, final_lambda, t, standardize_costs)
+        acts.append(torch.sigmoid(pre))  # [B, m]
+        if t + 1 < iterations:
+            inv_var = 1.0 / var  # [B, m, d]
+            qp = torch.stack((-2.0 * delta * inv_var, inv_var)).transpose(2, 3)  # [2, B, d, m]
+            quad = VoteQuad.apply(qp, x, wc, shift).permute(1, 2, 0)  # [J, B, m] -> [B, m, J]
+            maha = quad + (delta * delta * inv_var).sum(-1, keepdim=True)  # [B, m, J]
+            r = _e_step(maha, log_var, pre, grid)  # [B, m, J]
+    return mus[-1], acts[-1], rs, mus, acts
 
 
 class EMCapsules(BaselineCapsules):
@@ -291,16 +374,20 @@ class EMCapsules(BaselineCapsules):
         grid = None
         if self.kind == "conv" and self.assignment == "parents":
             grid = WindowGrid.of(act, self.kernel, self.stride)
-        mu, a_out, rs, mus, acts = em_routing(
-            self.votes(xs),
-            a_in,
-            self.beta_u,
-            self.beta_a,
-            iterations,
-            self.final_lambda if final_lambda is None else final_lambda,
-            grid=grid,
-            standardize_costs=self.standardize_costs,
-        )
+        lam = self.final_lambda if final_lambda is None else final_lambda
+        knobs = {"grid": grid, "standardize_costs": self.standardize_costs}
+        dt = self.weight.dtype
+        with torch.autocast(xs.device.type, enabled=False):  # routing stays in float32
+            xs, a_in = xs.to(dt), a_in.to(dt)
+            if _DENSE["on"] or torch.compiler.is_compiling():
+                votes = self.votes(xs)  # [B, m, J, d]
+                out = em_routing(votes, a_in, self.beta_u, self.beta_a, iterations, lam, **knobs)
+            else:
+                w, beta_u, beta_a = self.weight, self.beta_u, self.beta_a
+                out = em_routing_chunked(
+                    xs, w, a_in, beta_u, beta_a, iterations, lam, rows=self.rows, **knobs
+                )
+        mu, a_out, rs, mus, acts = out
         return (
             self.unsite(mu, site),
             self.unsite(a_out, site),

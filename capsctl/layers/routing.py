@@ -54,18 +54,23 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from capsctl.layers.flops import add_routing_flops
+
 # Bytes of vote chunk per step; chosen so that the chunk stays in the last-level cache.
 CHUNK_BYTES = 2 * 2**20
 
 
-def _tiles(j: int, bsz: int, m: int, d: int, itemsize: int) -> tuple[int, int]:
-    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``CHUNK_BYTES``.
+def _tiles(
+    j: int, bsz: int, m: int, d: int, itemsize: int, sites: int | None = None
+) -> tuple[int, int]:
+    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``CHUNK_BYTES``
+    (``sites``: ``Bc`` given, for tests).
 
     Whole rows of sites come first: the votes of one child at many sites are one tall matrix
     product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
     """
     per_site = max(1, m * d * itemsize)
-    bc = max(1, min(bsz, CHUNK_BYTES // per_site))
+    bc = max(1, min(bsz, sites or CHUNK_BYTES // per_site))
     bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
     jc = max(1, min(j, CHUNK_BYTES // (per_site * bc)))
     return jc, bc
@@ -243,8 +248,6 @@ def _tile_backward(
     ``(gx[Jc, x, Bc*a], gw[Jc, x, c*m], gp[Bc, d, m])``, written to (gx) or added to (gw, gp).
     """
     gxc, gwc, gpc = grads
-    tj, tb, a, xd = xc.shape
-    cm = wct.shape[2]
     v = buf.votes(xc, wct)  # [Jc, Bc, d, m]
     # d loss / d logits, without the scale (folded into pq and gp)
     da = buf.softmax_backward(rc, buf.dot_d(v, gqc))  # [Jc, Bc, m]
@@ -254,6 +257,21 @@ def _tile_backward(
         return
     gv = torch.mul(rc.unsqueeze(2), gqc, out=v)  # [Jc, Bc, d, m]
     gv.addcmul_(da.unsqueeze(2), pqc)  # [Jc, Bc, d, m]
+    _vote_backward(gv, xc, wct, gxc, gwc, gx_tile)
+
+
+def _vote_backward(
+    gv: Tensor,
+    xc: Tensor,
+    wct: Tensor,
+    gxc: Tensor | None,
+    gwc: Tensor | None,
+    gx_tile: Tensor | None,
+) -> None:
+    """From the votes' gradient ``gv[Jc, Bc, d, m]`` of one tile: writes ``d X`` (transposed,
+    ``gxc[Jc, x, Bc*a]``) and adds ``d W`` to ``gwc[Jc, x, c*m]``."""
+    tj, tb, a, xd = xc.shape
+    cm = wct.shape[2]
     gv = gv.view(tj, tb * a, cm)  # [Jc, Bc*a, c*m]
     if gxc is not None:
         gvt = gv.transpose(1, 2)  # [Jc, c*m, Bc*a]
@@ -364,6 +382,9 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
     Returns ``S[B, m, a, c]`` (the coefficient-weighted sum of votes, before dropout and
     LayerNorm) and the coefficients ``R[J, B, m]`` (detached).
     """
+    j, bsz, a, _ = x.shape
+    # the agreement and the weighted sum: J*B*m*d multiply-accumulates each
+    add_routing_flops(2 * 2 * j * bsz * w.shape[2] * a * w.shape[3])
     if _DENSE["on"] or torch.compiler.is_compiling():
         s, r = routed_pass_dense(x, w, p, scale)
         return s, r.detach()
@@ -372,3 +393,4 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
         return s, r
     with torch.no_grad():
         return _chunked_forward(x, w, p, scale)
+

@@ -1,0 +1,204 @@
+"""The vote-sized work of EM routing, chunk by chunk, without keeping the vote tensor.
+
+EM routing (Hinton, Sabour, Frosst, "Matrix capsules with EM routing", ICLR 2018) touches the
+votes ``V_ij = X_i W_ij`` in two places only, both linear in a coefficient-sized operand:
+
+- the M-step's moments ``S1[B, m, d] = sum_J r V'`` and ``S2 = sum_J r V'^2``
+  (:class:`VoteMoments`, operand ``r[B, m, J]``), and
+- the E-step's quadratic form ``Q[B, m, J] = sum_d (q V' + p V'^2)``
+  (:class:`VoteQuad`, operands ``q, p[B, m, d]``),
+
+where ``V' = V - s`` are the votes about a fixed shift ``s[B, m, d]`` (:func:`vote_shift`; a
+constant, so the moments about it give the same function of the inputs and the same gradients,
+while ``E[V'^2] - E[V']^2`` loses far fewer digits than ``E[V^2] - E[V]^2``). The backward of
+each is the other: ``dr = sum_d (gS1 V' + gS2 V'^2)``, ``d(q, p) = sum_J gQ (V', V'^2)``, and
+``dV = r (gS1 + 2 V' gS2)`` (moments) or ``gQ (q + 2 V' p)`` (quadratic form), from which
+``dX = dV W^T`` and ``dW = X^T dV`` are two batched matrix products.
+
+Both walk over the parent sites ``B`` in chunks small enough to stay in cache, build the votes of
+a chunk with one batched product, and keep only coefficient-sized tensors (``r``, ``q``, ``p``,
+the child poses) for the backward pass, which builds each chunk's votes again.
+
+Letters as in capsctl/layers/routing.py. Layouts inside: child poses ``x[J, B, a, x]``, weights
+``wc[J, x, c*m]`` (parent type innermost), shift ``[B, d, m]``, a chunk of votes and squared
+votes ``U[2, J, Bc, d, m]`` (``d = (a, c)``), coefficients ``[J, B, m]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Bytes of votes per chunk of parent sites (the chunk's buffers are about four times this).
+EM_CHUNK_BYTES = 4 * 2**20
+
+_CHUNK = {"sites": 0}
+
+
+@contextlib.contextmanager
+def em_chunk_sites(sites: int) -> Iterator[None]:
+    """Route ``sites`` parent sites per chunk inside the block (tests; 0: by ``EM_CHUNK_BYTES``)."""
+    before = _CHUNK["sites"]
+    _CHUNK["sites"] = sites
+    try:
+        yield
+    finally:
+        _CHUNK["sites"] = before
+
+
+def _chunk_sites(bsz: int, per_site: int) -> int:
+    """Sites per chunk: the override, else as many as ``EM_CHUNK_BYTES`` of votes hold, in
+    chunks of equal size (no short last one)."""
+    bc = _CHUNK["sites"] or max(1, EM_CHUNK_BYTES // max(1, per_site))
+    bc = max(1, min(bsz, bc))
+    return -(-bsz // -(-bsz // bc))
+
+
+def vote_shift(xs: Tensor, wc: Tensor, a_in: Tensor, m: int) -> Tensor:
+    """The activation-weighted mean vote ``s[B, d, m] = sum_J a V / (sum_J a + 1e-12)``, one
+    matrix product over all children at once; no gradient (a constant for the moments).
+
+    ``xs[B, J, a, x]`` child poses, ``wc[J, x, c*m]``, ``a_in[B, J]``, ``m`` parent types.
+    """
+    bsz, j, a, xd = xs.shape
+    cm = wc.shape[2]
+    with torch.no_grad():
+        xa = (xs * a_in[:, :, None, None]).permute(0, 2, 1, 3)  # [B, a, J, x]
+        s = xa.reshape(bsz * a, j * xd) @ wc.reshape(j * xd, cm)  # [B*a, c*m]
+        s = s / (a_in.sum(1) + 1e-12).repeat_interleave(a).unsqueeze(1)  # [B*a, c*m]
+        return s.view(bsz, -1, m)  # [B, d, m]
+
+
+class _Votes:
+    """The chunk buffers ``U[2, J, Bc, d, m]`` (shifted votes, their squares) and a scratch of
+    the same size, reused by every chunk."""
+
+    def __init__(self, x: Tensor, wc: Tensor, shift: Tensor) -> None:
+        j, bsz, a, _ = x.shape
+        self.x, self.wc, self.shift = x, wc, shift  # [J, B, a, x], [J, x, c*m], [B, d, m]
+        self.j, self.a = j, a
+        self.d, self.m = shift.shape[1], shift.shape[2]
+        self.bc = _chunk_sites(bsz, j * self.d * self.m * x.element_size())
+        n = j * self.bc * self.d * self.m
+        self.ubuf = x.new_empty(2 * n)
+        self.tbuf = x.new_empty(2 * n)
+
+    def chunks(self) -> Iterator[tuple[int, int]]:
+        bsz = self.x.shape[1]
+        for b0 in range(0, bsz, self.bc):
+            yield b0, min(bsz, b0 + self.bc)
+
+    def build(self, b0: int, b1: int) -> Tensor:
+        """``U[2, J, Bc, d, m]`` of sites ``b0:b1``: ``V - s`` and ``(V - s)^2``."""
+        j, bc, a, d, m = self.j, b1 - b0, self.a, self.d, self.m
+        u = self.ubuf[: 2 * j * bc * d * m].view(2, j, bc, d, m)  # [2, J, Bc, d, m]
+        xc = self.x[:, b0:b1].reshape(j, bc * a, -1)  # [J, Bc*a, x]
+        torch.bmm(xc, self.wc, out=u[0].view(j, bc * a, -1))  # [J, Bc*a, c*m]
+        u[0].sub_(self.shift[b0:b1])  # [J, Bc, d, m]
+        torch.mul(u[0], u[0], out=u[1])  # [J, Bc, d, m]
+        return u
+
+    def moments(self, u: Tensor, r: Tensor) -> Tensor:
+        """``sum_J r U``: ``u[2, J, Bc, d, m]``, ``r[J, Bc, m]`` -> ``[2, Bc, d, m]``."""
+        t = self.tbuf[: u.numel()].view_as(u)  # [2, J, Bc, d, m]
+        torch.mul(u, r.unsqueeze(2), out=t)  # [2, J, Bc, d, m]
+        return t.sum(1)  # [2, Bc, d, m]
+
+    def quad(self, u: Tensor, qp: Tensor) -> Tensor:
+        """``sum_{2, d} qp U``: ``u[2, J, Bc, d, m]``, ``qp[2, Bc, d, m]`` -> ``[J, Bc, m]``."""
+        t = self.tbuf[: u.numel()].view_as(u)  # [2, J, Bc, d, m]
+        torch.mul(u, qp.unsqueeze(1), out=t)  # [2, J, Bc, d, m]
+        return t[0].add_(t[1]).sum(2)  # [J, Bc, m]; faster than one sum over dims (0, 3)
+
+    def backprop(self, dv: Tensor, b0: int, b1: int, gx: Tensor | None, gw: Tensor | None) -> None:
+        """From ``dv[J, Bc, d, m]`` (d loss / d votes of sites ``b0:b1``): writes
+        ``gx[J, B, a, x]`` at those sites and adds to ``gw[J, x, c*m]``."""
+        j, bc, a = self.j, b1 - b0, self.a
+        dvm = dv.view(j, bc * a, -1)  # [J, Bc*a, c*m]
+        if gx is not None:
+            gxc = torch.bmm(dvm, self.wc.transpose(1, 2))  # [J, Bc*a, x]
+            gx[:, b0:b1].copy_(gxc.view(j, bc, a, -1))  # [J, Bc, a, x]
+        if gw is not None:
+            xct = self.x[:, b0:b1].reshape(j, bc * a, -1).transpose(1, 2)  # [J, x, Bc*a]
+            gw.baddbmm_(xct, dvm)  # [J, x, c*m]
+
+
+def _grad_buffers(votes: _Votes, needs: tuple[bool, ...]) -> tuple[Tensor | None, Tensor | None]:
+    gx = torch.empty_like(votes.x) if needs[0] else None  # [J, B, a, x]
+    gw = torch.zeros_like(votes.wc) if needs[1] else None  # [J, x, c*m]
+    return gx, gw
+
+
+class VoteMoments(torch.autograd.Function):
+    """``(r[J, B, m], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
+    ``S[2, B, d, m]``: ``sum_J r (V - s)`` and ``sum_J r (V - s)^2``. Saves no vote-sized tensor."""
+
+    @staticmethod
+    def forward(ctx, r: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
+        votes = _Votes(x, wc, shift)
+        out = x.new_empty(2, x.shape[1], votes.d, votes.m)  # [2, B, d, m]
+        for b0, b1 in votes.chunks():
+            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
+            out[:, b0:b1] = votes.moments(u, r[:, b0:b1])  # [2, Bc, d, m]
+        ctx.save_for_backward(r, x, wc, shift)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        r, x, wc, shift = ctx.saved_tensors
+        votes = _Votes(x, wc, shift)
+        gr = torch.empty_like(r) if ctx.needs_input_grad[0] else None  # [J, B, m]
+        gx, gw = _grad_buffers(votes, ctx.needs_input_grad[1:3])
+        gs = gs.contiguous()  # [2, B, d, m]
+        for b0, b1 in votes.chunks():
+            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
+            gsc, rc = gs[:, b0:b1], r[:, b0:b1]  # [2, Bc, d, m], [J, Bc, m]
+            if gr is not None:
+                gr[:, b0:b1] = votes.quad(u, gsc)  # [J, Bc, m]
+            if gx is None and gw is None:
+                continue
+            dv = torch.addcmul(gsc[0], u[0], gsc[1], value=2.0, out=u[1])  # [J, Bc, d, m]
+            dv.mul_(rc.unsqueeze(2))  # [J, Bc, d, m]
+            votes.backprop(dv, b0, b1, gx, gw)
+        return gr, gx, gw, None
+
+
+class VoteQuad(torch.autograd.Function):
+    """``(qp[2, B, d, m], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
+    ``Q[J, B, m] = sum_d (q (V - s) + p (V - s)^2)``. Saves no vote-sized tensor."""
+
+    @staticmethod
+    def forward(ctx, qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
+        votes = _Votes(x, wc, shift)
+        qp = qp.contiguous()  # [2, B, d, m]
+        out = x.new_empty(x.shape[0], x.shape[1], votes.m)  # [J, B, m]
+        for b0, b1 in votes.chunks():
+            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
+            out[:, b0:b1] = votes.quad(u, qp[:, b0:b1])  # [J, Bc, m]
+        ctx.save_for_backward(qp, x, wc, shift)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gq: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        qp, x, wc, shift = ctx.saved_tensors
+        votes = _Votes(x, wc, shift)
+        gqp = torch.empty_like(qp) if ctx.needs_input_grad[0] else None  # [2, B, d, m]
+        gx, gw = _grad_buffers(votes, ctx.needs_input_grad[1:3])
+        gq = gq.contiguous()  # [J, B, m]
+        for b0, b1 in votes.chunks():
+            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
+            gqc, qpc = gq[:, b0:b1], qp[:, b0:b1]  # [J, Bc, m], [2, Bc, d, m]
+            if gqp is not None:
+                gqp[:, b0:b1] = votes.moments(u, gqc)  # [2, Bc, d, m]
+            if gx is None and gw is None:
+                continue
+            dv = torch.addcmul(qpc[0], u[0], qpc[1], value=2.0, out=u[1])  # [J, Bc, d, m]
+            dv.mul_(gqc.unsqueeze(2))  # [J, Bc, d, m]
+            votes.backprop(dv, b0, b1, gx, gw)
+        return gqp, gx, gw, None

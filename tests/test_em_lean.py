@@ -1,0 +1,127 @@
+"""EM routing without the vote tensor (capsctl/layers/em_kernels.py): the chunked path gives the
+dense path's results and gradients for every chunk size, and keeps no vote-sized tensor for the
+backward pass.
+
+The dense path (:func:`capsctl.layers.routing.dense_routing`) builds the votes whole and follows
+Procedure 1 of Hinton, Sabour, Frosst, "Matrix capsules with EM routing" (ICLR 2018) line by
+line; tests/test_routing_baselines.py checks it against loops written from the paper.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capsctl.layers.em_kernels import em_chunk_sites
+from capsctl.layers.em_routing import EMCapsules
+from capsctl.layers.routing import dense_routing
+
+ITERATIONS = 3
+
+
+def _layer(kind: str, n: int, m: int, **kw) -> EMCapsules:
+    """A float64 layer with 2x2 poses, weights N(0, 0.5^2) and random betas."""
+    layer = EMCapsules(kind, n, 4, m, 4, rows=2, **kw).double()
+    with torch.no_grad():
+        layer.weight.normal_(0.0, 0.5)
+        layer.beta_u.normal_(0.0, 0.5)
+        layer.beta_a.normal_(0.0, 0.5)
+    return layer
+
+
+def _inputs(kind: str, n: int, b: int = 2, side: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    lead = (b, side, side, n) if kind == "conv" else (b, n)
+    pose = (torch.randn(*lead, 4, dtype=torch.float64) + 0.7).requires_grad_()
+    act = (torch.rand(*lead, dtype=torch.float64) * 0.8 + 0.1).requires_grad_()
+    return pose, act
+
+
+def _run(layer: EMCapsules, pose: torch.Tensor, act: torch.Tensor) -> list[torch.Tensor]:
+    """Outputs (poses, activations, every R, every mean, every activation) and the gradients
+    of a fixed random-weighted loss of all of them, w.r.t. inputs and parameters."""
+    mu, a_out, rs, mus, acts = layer.route(pose, act, ITERATIONS)
+    outs = [mu, a_out, *rs, *mus, *acts]
+    gen = torch.Generator().manual_seed(5)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outs)
+    params = [pose, act, layer.weight, layer.beta_u, layer.beta_a]
+    grads = torch.autograd.grad(loss, params)
+    return [o.detach() for o in outs] + list(grads)
+
+
+CASES = [
+    ("fc", 5, 3, {}),
+    ("fc", 1, 3, {}),
+    ("fc", 4, 1, {}),
+    ("conv", 2, 3, {"kernel": 3, "stride": 2}),
+    ("conv", 1, 2, {"kernel": 2, "stride": 1}),
+    ("conv", 2, 1, {"kernel": 3, "stride": 1}),
+    ("conv", 2, 3, {"kernel": 3, "stride": 1, "assignment": "window"}),
+    ("conv", 2, 1, {"kernel": 2, "stride": 1, "assignment": "window"}),
+    ("conv", 2, 2, {"kernel": 2, "stride": 1, "standardize_costs": True}),
+]
+
+
+@pytest.mark.parametrize(("kind", "n", "m", "kw"), CASES)
+@pytest.mark.parametrize("sites", [1, 3, 7, 1000])
+def test_chunked_matches_dense(kind: str, n: int, m: int, kw: dict, sites: int) -> None:
+    torch.manual_seed(3)
+    layer = _layer(kind, n, m, **kw)
+    pose, act = _inputs(kind, n)
+    with dense_routing():
+        want = _run(layer, pose, act)
+    with em_chunk_sites(sites):
+        got = _run(layer, pose, act)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_matches_dense_in_float32() -> None:
+    """Moments about the mean vote: float32 keeps the dense path's digits (votes far from 0)."""
+    torch.manual_seed(4)
+    layer = EMCapsules("conv", 4, 16, 3, 16, rows=4, kernel=3, stride=2)
+    pose = torch.randn(2, 7, 7, 4, 16) * 0.3 + 3.0
+    act = torch.rand(2, 7, 7, 4) * 0.8 + 0.1
+    with dense_routing():
+        mu_d, a_d, _, _, _ = layer.route(pose, act, ITERATIONS)
+    with em_chunk_sites(2):
+        mu_c, a_c, _, _, _ = layer.route(pose, act, ITERATIONS)
+    torch.testing.assert_close(mu_c, mu_d, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a_c, a_d, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["fc", "conv"])
+def test_no_vote_sized_tensor_is_saved(kind: str) -> None:
+    torch.manual_seed(6)
+    n, m = 6, 5
+    kw = {"kernel": 3, "stride": 1} if kind == "conv" else {}
+    layer = _layer(kind, n, m, **kw)
+    pose, act = _inputs(kind, n, b=2, side=6)
+    sites = 2 * 4 * 4 if kind == "conv" else 2  # B
+    children = n * 9 if kind == "conv" else n  # J
+    vote_elems = sites * m * children * 4  # B * m * J * d
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mu, a_out, _, _, _ = layer.route(pose, act, ITERATIONS)
+    assert saved, "the hook saw no saved tensor"
+    assert max(saved) < vote_elems, (max(saved), vote_elems)
+    with dense_routing(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer.route(pose, act, ITERATIONS)
+    assert max(saved) >= vote_elems  # the check can see a vote-sized tensor
+    (mu.sum() + a_out.sum()).backward()
+    assert pose.grad is not None and layer.weight.grad is not None
+
+
+def test_float32_under_autocast() -> None:
+    torch.manual_seed(7)
+    layer = EMCapsules("fc", 6, 16, 3, 16, rows=4)
+    pose, act = torch.randn(2, 6, 16), torch.rand(2, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mu, a_out, rs, _, _ = layer.route(pose.bfloat16(), act.bfloat16(), ITERATIONS)
+    assert mu.dtype == a_out.dtype == rs[-1].dtype == torch.float32
