@@ -43,15 +43,15 @@ EvalLoss = tuple[str, Callable[[Tensor, Tensor], Tensor]]
 
 def loss_name(preset: Preset, multi_label: bool) -> str:
     """The loss a preset trains with: ``train.loss``, where ``auto`` means the model's own loss
-    (margin for dynamic routing, spread for EM routing, else cross-entropy, or binary
-    cross-entropy for multi-label data)."""
+    (the routing algorithm's: margin for dynamic routing, spread for EM routing; else
+    cross-entropy, or binary cross-entropy for multi-label data)."""
     kind = preset.train.loss
     if kind != "auto":
         return kind
-    if preset.model.arch == "capsnet-dynamic":
-        return "margin"
-    if preset.model.arch == "capsnet-em":
-        return "spread"
+    if preset.model.arch == "capsnet":
+        own = preset.model.algorithm().loss
+        if own != "cross_entropy":
+            return own
     return "bce" if multi_label else "cross_entropy"
 
 

@@ -7,19 +7,21 @@ size, shorter side resized with antialiasing, center crop; then the stored norma
 ``capsctl eval``), runs the model in eval mode under ``torch.no_grad`` in batches and returns a
 :class:`PredictResult`. It never prints; skipped files are reported as ``warning`` events.
 
-Which score is shown depends on what the model outputs (its configuration's ``arch``) and on
-whether it was trained for several labels per image (DiverseMultiMNIST, or ``train.loss: bce``):
+Which score is shown depends on what the model outputs (its routing algorithm's
+``output_kind``, see capsctl/layers/routers/) and on whether it was trained for several labels
+per image (DiverseMultiMNIST, or ``train.loss: bce``):
 
-========================  =====================  ==========================================
-arch                      one label per image    several labels per image
-========================  =====================  ==========================================
-capsnet, cnn, resnet18    ``softmax`` of logits  ``sigmoid`` of each logit
-capsnet-dynamic           ``length-share``:      ``length``: each class capsule's length
-                          lengths / their sum    (Sabour et al. 2017: the probability that
-                                                 the class is present)
-capsnet-em                ``activation-share``:  ``activation``: each class activation
-                          activations / sum      (Hinton et al. 2018), in (0, 1)
-========================  =====================  ==========================================
+=============================  =====================  =====================================
+model                          one label per image    several labels per image
+=============================  =====================  =====================================
+cnn, resnet18; capsnet with    ``softmax`` of logits  ``sigmoid`` of each logit
+router idpa or self
+capsnet, router dynamic        ``length-share``:      ``length``: each class capsule's length
+                               lengths / their sum    (Sabour et al. 2017: the probability
+                                                      that the class is present)
+capsnet, router em             ``activation-share``:  ``activation``: each class activation
+                               activations / sum      (Hinton et al. 2018), in (0, 1)
+=============================  =====================  =====================================
 
 Every score is a monotone function of the model's output, so the top-1 class is the output's
 argmax: the class ``capsctl eval`` counts.
@@ -142,12 +144,13 @@ def is_multi_label(meta: dict[str, Any]) -> bool:
     return base in MULTI_LABEL_DATASETS or train.get("loss") == "bce"
 
 
-def score_kind(arch: str, multi_label: bool) -> str:
-    """The score shown for a model's outputs (see the module docstring's table)."""
-    if arch == "capsnet-dynamic":
-        return "length" if multi_label else "length-share"
-    if arch == "capsnet-em":
-        return "activation" if multi_label else "activation-share"
+def score_kind(router: str | None, multi_label: bool) -> str:
+    """The score shown for a model's outputs (see the module docstring's table); ``router``:
+    the capsule network's routing algorithm, None for other models."""
+    if router is not None:
+        from capsctl.layers.routers import get_router
+
+        return get_router(router).scores[1 if multi_label else 0]
     return "sigmoid" if multi_label else "softmax"
 
 
@@ -158,8 +161,9 @@ def scores_from_outputs(outputs: Tensor, kind: str, model: nn.Module | None = No
         return out.softmax(1)
     if kind == "sigmoid":
         return out.sigmoid()
-    if kind == "length":  # the model multiplies the lengths by logit_scale (1 by default)
-        return out / float(getattr(model, "logit_scale", 1.0) or 1.0)
+    if kind == "length":  # the read-out multiplies the lengths by logit_scale (1 by default)
+        head = getattr(model, "head", None)
+        return out / float(getattr(head, "logit_scale", 1.0) or 1.0)
     if kind == "activation":
         return out
     if kind in ("length-share", "activation-share"):
@@ -347,7 +351,8 @@ def _load_model(checkpoint: Path, device: str) -> _LoadedModel:
             f"{checkpoint}: it names {len(classes)} classes but the model outputs {n_cls}; "
             "the file is inconsistent"
         )
-    kind = score_kind(arch, multi_label)
+    router = getattr(model, "router", None)
+    kind = score_kind(router if isinstance(router, str) else None, multi_label)
     return _LoadedModel(model, meta, dev, classes, arch, n_cls, multi_label, kind)
 
 

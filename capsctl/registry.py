@@ -46,32 +46,44 @@ def _cifar_layers(dim: int) -> list[CapsLayerSpec]:
     ]
 
 
-def _caps10(backbone: str, arch: str = "capsnet") -> ModelConfig:
+def _caps10(backbone: str, arch: str = "capsnet", router: str = "idpa") -> ModelConfig:
     return ModelConfig(
-        arch=arch,
+        arch=arch,  # type: ignore[arg-type]
         num_classes=10,
-        backbone=backbone,
-        primary_dim=16,  # type: ignore[arg-type]
+        backbone=backbone,  # type: ignore[arg-type]
+        primary_dim=16,
         layers=_cifar_layers(16),
+        router=_ROUTERS[router],
     )
 
 
-def _caps100(backbone: str, arch: str = "capsnet") -> ModelConfig:
+def _caps100(backbone: str, arch: str = "capsnet", router: str = "idpa") -> ModelConfig:
     layers = _cifar_layers(36) + [CapsLayerSpec(kind="fc", types=20, pose_dim=36)]
     return ModelConfig(
-        arch=arch,
+        arch=arch,  # type: ignore[arg-type]
         num_classes=100,
-        backbone=backbone,
-        primary_dim=36,  # type: ignore[arg-type]
+        backbone=backbone,  # type: ignore[arg-type]
+        primary_dim=36,
         layers=layers,
+        router=_ROUTERS[router],
     )
 
 
-def _paper_routing(cfg: ModelConfig) -> ModelConfig:
-    """Dynamic and EM routing as their papers run them: 3 iterations, layer by layer
-    (Sabour et al., NeurIPS 2017, arXiv:1710.09829; Hinton et al., ICLR 2018)."""
-    return cfg.replace(iterations=3, routing="sequential")
-
+# Each algorithm as its paper runs it: dynamic and EM routing 3 iterations, layer by layer
+# (Sabour et al., NeurIPS 2017, arXiv:1710.09829; Hinton et al., ICLR 2018); self-routing in
+# one pass (Hahn et al., NeurIPS 2019); inverted dot-product attention T=2 concurrent (Tsai
+# et al., ICLR 2020).
+_ROUTERS: dict[str, dict[str, Any]] = {
+    "idpa": {"name": "idpa", "iterations": 2, "schedule": "concurrent"},
+    "dynamic": {"name": "dynamic", "iterations": 3},
+    "em": {"name": "em", "iterations": 3},
+    "self": {"name": "self"},
+}
+_ROUTER_TEXT = {
+    "dynamic": "dynamic routing (Sabour et al. 2017), T=3 sequential",
+    "em": "EM routing (Hinton et al. 2018), T=3 sequential",
+    "self": "self-routing (Hahn et al. 2019), one pass",
+}
 
 for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
     register(
@@ -81,22 +93,13 @@ for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
         f"cifar100-caps{_suffix}",
         f"CIFAR-100 capsule net, {_bb} backbone, 6x6 poses, T=2 concurrent",
     )(lambda _bb=_bb: _caps100(_bb))
-    register(
-        f"cifar10-dynamic{_suffix}",
-        f"cifar10-caps{_suffix} with dynamic routing (Sabour et al. 2017), T=3 sequential",
-    )(lambda _bb=_bb: _paper_routing(_caps10(_bb, "capsnet-dynamic")))
-    register(
-        f"cifar10-em{_suffix}",
-        f"cifar10-caps{_suffix} with EM routing (Hinton et al. 2018), T=3 sequential",
-    )(lambda _bb=_bb: _paper_routing(_caps10(_bb, "capsnet-em")))
-    register(
-        f"cifar100-dynamic{_suffix}",
-        f"cifar100-caps{_suffix} with dynamic routing (Sabour et al. 2017), T=3 sequential",
-    )(lambda _bb=_bb: _paper_routing(_caps100(_bb, "capsnet-dynamic")))
-    register(
-        f"cifar100-em{_suffix}",
-        f"cifar100-caps{_suffix} with EM routing (Hinton et al. 2018), T=3 sequential",
-    )(lambda _bb=_bb: _paper_routing(_caps100(_bb, "capsnet-em")))
+    for _router, _text in _ROUTER_TEXT.items():
+        register(f"cifar10-{_router}{_suffix}", f"cifar10-caps{_suffix} with {_text}")(
+            lambda _bb=_bb, _router=_router: _caps10(_bb, router=_router)
+        )
+        register(f"cifar100-{_router}{_suffix}", f"cifar100-caps{_suffix} with {_text}")(
+            lambda _bb=_bb, _router=_router: _caps100(_bb, router=_router)
+        )
     register(f"cifar10-cnn{_suffix}", f"CNN as wide as cifar10-caps{_suffix} ({_bb} backbone)")(
         lambda _bb=_bb: _caps10(_bb, "cnn")
     )

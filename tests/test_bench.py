@@ -109,7 +109,7 @@ def test_add_ratios_with_explicit_reference() -> None:
 def test_routing_override_reaches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     modes_used: list[str] = []
-    original_set, original_poses = CapsNet.set_routing, CapsNet.class_poses
+    original_set, original_caps = CapsNet.set_routing, CapsNet.class_capsules
 
     def spy_set(self: CapsNet, iterations: int | None = None, mode: str | None = None) -> None:
         original_set(self, iterations, mode)
@@ -117,10 +117,10 @@ def test_routing_override_reaches_the_model(monkeypatch: pytest.MonkeyPatch) -> 
 
     def spy_poses(self: CapsNet, *args: object, **kwargs: object):  # noqa: ANN202
         modes_used.append((self.routing, self.iterations))
-        return original_poses(self, *args, **kwargs)
+        return original_caps(self, *args, **kwargs)
 
     monkeypatch.setattr(CapsNet, "set_routing", spy_set)
-    monkeypatch.setattr(CapsNet, "class_poses", spy_poses)
+    monkeypatch.setattr(CapsNet, "class_capsules", spy_poses)
     rows = run_bench(
         [tiny(), ("tiny-cnn", resolve_config(TINY_CNN))], iterations=3, routing="sequential", **FAST
     )

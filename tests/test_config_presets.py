@@ -80,7 +80,7 @@ def parse(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Preset:
 def test_model_by_name_and_base() -> None:
     assert preset_from_dict({"model": "tiny"}).model == TINY
     preset = preset_from_dict({"model": {"base": "tiny", "iterations": 5}})
-    assert preset.model == dataclasses.replace(TINY, iterations=5)
+    assert preset.model == TINY.replace(iterations=5)
 
 
 @pytest.mark.usefixtures("tiny_registry")
@@ -222,7 +222,7 @@ def test_list_and_load_presets_by_name(tmp_path: Path, monkeypatch: pytest.Monke
 @pytest.mark.usefixtures("tiny_registry")
 def test_round_trip_dict_and_yaml(tmp_path: Path) -> None:
     preset = load_preset(str(write(tmp_path, VALID_YAML)))
-    assert preset.model == dataclasses.replace(TINY, iterations=3) and preset.log.tensorboard
+    assert preset.model == TINY.replace(iterations=3) and preset.log.tensorboard
     data = preset_to_dict(preset)
     assert preset_from_dict(data) == preset
     assert preset_from_yaml(dump_yaml(preset)) == preset

@@ -123,8 +123,7 @@ def test_defaults_are_the_cifar_recipe() -> None:
         ),
         (
             "model.arch=vgg",
-            "model.arch: expected one of 'capsnet', 'capsnet-dynamic', 'capsnet-em', 'cnn', "
-            "'resnet18'",
+            "model.arch: expected one of 'capsnet', 'cnn', 'resnet18'",
         ),
         # out of range
         ("train.lr=-0.1", "train.lr: must be > 0"),
@@ -147,7 +146,25 @@ def test_defaults_are_the_cifar_recipe() -> None:
         ("train.time_limit=0", "train.time_limit: must be > 0 seconds"),
         ("train.steps_per_epoch=0", "train.steps_per_epoch: must be >= 1"),
         ("model.dropout=1.0", "model.dropout: must be in [0, 1)"),
-        ("model.iterations=0", "model.iterations: must be >= 1"),
+        ("model.iterations=0", "model.router.iterations: must be >= 1"),
+        ("model.router.iterations=0", "model.router.iterations: must be >= 1"),
+        (
+            "model.router.name=capsule",
+            "model.router.name: unknown routing algorithm 'capsule'; use one of idpa, dynamic, "
+            "em, self",
+        ),
+        ("model.router={iterations: 2}", "model.router.name: missing; use one of idpa"),
+        (
+            "model.router.lambda_inf=0.1",
+            "model.router.lambda_inf: unknown field; expected one of iterations, schedule",
+        ),
+        (
+            "model.router={name: em, assignment: all}",
+            "model.router.assignment: expected one of 'parents', 'window'",
+        ),
+        ("model.router={name: em, lambda_inf: 0}", "model.router.lambda_inf: must be > 0"),
+        ("model.router={name: dynamic, schedule: concurrent}", "model.router.schedule: unknown"),
+        ("model.router=3", "model.router: expected a mapping"),
         ("model.num_classes=0", "model.num_classes: must be >= 1"),
         ("model.layers=[{}, {stride: 0}]", "model.layers[1].stride: must be >= 1"),
         ("model.class_pose_dim=0", "model.class_pose_dim: must be >= 1"),

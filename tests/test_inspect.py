@@ -377,6 +377,8 @@ def test_inspect_checkpoint_is_inspect_routing_on_the_sampled_images(model, tmp_
     assert list(doc) == [
         "checkpoint",
         "inputs",
+        "algorithm",
+        "coefficients",
         "iterations",
         "routing",
         "classes",
@@ -385,6 +387,7 @@ def test_inspect_checkpoint_is_inspect_routing_on_the_sampled_images(model, tmp_
         "written",
     ]
     assert doc["checkpoint"] == str(ckpt) and doc["inputs"] == "2 random images (seed 3)"
+    assert (doc["algorithm"], doc["coefficients"]) == ("idpa", "routing coefficients")
     assert {k: doc[k] for k in expected.to_dict()} == expected.to_dict()
     assert torch.equal(result.raw_images, raw)
     assert result.layers == expected.layers and result.images == expected.images

@@ -61,6 +61,13 @@ def test_every_registered_model_trains_one_step(name: str) -> None:
     torch.manual_seed(0)
     cfg = get_config(name)
     model = capsctl.build_model(cfg).train()
+    if cfg.arch == "capsnet" and cfg.router["name"] == "self":
+        # self-routing's gating starts at zero (uniform coefficients, as in Hahn et al.'s
+        # code), where the poses cannot reach the output yet: move it off zero first
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith(("route_weight", "route_bias")):
+                    p.normal_(0.0, 0.1)
     x = torch.randn(2, cfg.in_channels, cfg.input_size, cfg.input_size)
     out = model(x)
     assert out.shape == (2, cfg.num_classes)
@@ -209,7 +216,7 @@ def test_per_class_head_and_ablation_knobs(tmp_path: Path) -> None:
     with torch.no_grad():
         logits, trace = model(x, trace=True)
         feats = model.backbone(x)  # [b, C, H, W]
-        primary = model.primary(feats)  # [b, H, W, n, D]
+        primary = model.primary(feats).poses  # [b, H, W, n, D]
     # primary capsules without LayerNorm: the raw 1x1 convolution, read channel-last
     conv_w = model.primary.conv.weight[:, :, 0, 0].view(4, 16, -1)  # [n, D, C]
     assert torch.allclose(

@@ -28,11 +28,11 @@ import torch
 
 from capsctl.config import load_preset
 from capsctl.errors import ConfigError
-from capsctl.layers.dynamic_routing import DynamicCapsules
+from capsctl.layers.algorithm import Capsules, LayerPlan
 from capsctl.layers.em_routing import EMCapsules
+from capsctl.layers.routers.dynamic import DynamicConv, DynamicFC
 from capsctl.losses import margin_loss, spread_loss
-from capsctl.models.capsnet import RoutingTrace
-from capsctl.models.routing_baselines import DynamicCapsNet, EMCapsNet, dynamic_config, em_config
+from capsctl.models.capsnet import CapsNet, RoutingTrace
 from capsctl.registry import get_config, list_models
 
 # Constants of the references, typed from the sources above (never read from the code).
@@ -45,6 +45,26 @@ COST_EPS = 1e-6  # the optional cost standardization: (c - mean) / (sqrt(var + e
 CONV_INIT_STD = 0.3  # weight std before truncation at 2 std (conv_capsule_mat)
 FC_INIT_STD = 0.01  # (connector_capsule_mat)
 PAPER_ITERATIONS = 3  # both papers
+
+
+class DynamicCapsules:
+    """A dynamic-routing layer of the model, called as ``route(u, T) -> (v, coefficients,
+    poses)``."""
+
+    def __init__(self, kind, n, din, m, dout, kernel=1, stride=1) -> None:
+        plan = LayerPlan(kind, n, din, m, dout, "vector", kernel, stride)
+        self.layer = DynamicConv(plan) if kind == "conv" else DynamicFC(plan)
+        self.weight = self.layer.weight
+
+    def double(self):
+        self.layer.double()
+        self.weight = self.layer.weight
+        return self
+
+    def route(self, u, iterations):
+        out = self.layer(Capsules(u), iterations)
+        return out.capsules.poses, out.coefficients, out.poses
+
 
 # --------------------------------------------------------------------------------------------
 # Naive references
@@ -490,16 +510,16 @@ def test_registry_and_presets_route_three_times() -> None:
     assert len(files) >= 8
     for file in files:
         preset = load_preset(str(file))
-        assert preset.model.arch in ("capsnet-dynamic", "capsnet-em"), file.name
+        assert preset.model.router["name"] in ("dynamic", "em"), file.name
         assert preset.model.iterations == PAPER_ITERATIONS, file.name
-    assert EMCapsNet(get_config("cifar10-em-simple")).iterations == PAPER_ITERATIONS
-    assert DynamicCapsNet(get_config("cifar10-dynamic-simple")).iterations == PAPER_ITERATIONS
+    assert CapsNet(get_config("cifar10-em-simple")).iterations == PAPER_ITERATIONS
+    assert CapsNet(get_config("cifar10-dynamic-simple")).iterations == PAPER_ITERATIONS
 
 
 def test_em_model_knobs() -> None:
     cfg = get_config("cifar100-em-simple").replace(primary_types=4, num_classes=5)
     cfg = cfg.replace(layers=[dataclasses.replace(s, types=4) for s in cfg.layers])
-    model = EMCapsNet(cfg)
+    model = CapsNet(cfg)
     kinds = [layer.kind for layer in model.capsules]
     assert kinds == ["conv", "conv", "fc", "fc"]
     assert [layer.final_lambda for layer in model.capsules] == pytest.approx(
@@ -507,26 +527,27 @@ def test_em_model_knobs() -> None:
     )
     assert all(layer.assignment == "parents" for layer in model.capsules)
     assert not any(layer.standardize_costs for layer in model.capsules)
-    tuned = EMCapsNet(cfg.replace(em_lambda=0.4, em_assignment="window", em_standardize_costs=True))
+    knobs = {"name": "em", "lambda_inf": 0.4, "assignment": "window", "standardize_costs": True}
+    tuned = CapsNet(cfg.replace(router=knobs))
     assert [layer.final_lambda for layer in tuned.capsules] == pytest.approx([0.4, 0.4, 0.1, 0.1])
     assert all(layer.assignment == "window" for layer in tuned.capsules)
     assert all(layer.standardize_costs for layer in tuned.capsules)
-    with pytest.raises(ConfigError):
-        EMCapsNet(cfg.replace(em_lambda=0.0))
+    with pytest.raises(ConfigError, match="lambda_inf"):
+        CapsNet(cfg.replace(router={"name": "em", "lambda_inf": 0.0}))
 
 
 # --------------------------------------------------------------------------------------------
 # Whole models
 # --------------------------------------------------------------------------------------------
 
-MODELS = {"capsnet-dynamic": DynamicCapsNet, "capsnet-em": EMCapsNet}
+MODELS = ("dynamic", "em")
 
 
-def _model(arch: str, seed: int = 0, types: int = 32) -> torch.nn.Module:
+def _model(router: str, seed: int = 0, types: int = 32) -> CapsNet:
     torch.manual_seed(seed)
-    cfg = get_config("cifar10-caps-simple")
+    cfg = get_config(f"cifar10-{router}-simple")
     layers = [dataclasses.replace(spec, types=types) for spec in cfg.layers]
-    return MODELS[arch](cfg.replace(arch=arch, primary_types=types, layers=layers))
+    return CapsNet(cfg.replace(primary_types=types, layers=layers))
 
 
 def _per_child_sums(c: torch.Tensor, stride: int) -> torch.Tensor:
@@ -542,7 +563,7 @@ def _per_child_sums(c: torch.Tensor, stride: int) -> torch.Tensor:
     return total
 
 
-@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("arch", MODELS)
 def test_model_shapes_trace_and_iterations(arch: str) -> None:
     model = _model(arch).eval()
     x = torch.randn(2, 3, 32, 32)
@@ -562,7 +583,7 @@ def test_model_shapes_trace_and_iterations(arch: str) -> None:
             for c, p in zip(trace.coefficients[li], trace.poses[li], strict=True):
                 assert c.shape == (2, h, w, 3, 3, 32, 32)
                 assert p.shape == (2, h, w, 32, 16)
-                if arch == "capsnet-dynamic":  # per window
+                if arch == "dynamic":  # per window
                     torch.testing.assert_close(c.sum(-1), torch.ones_like(c[..., 0]))
                 else:  # over every parent the child votes for
                     total = _per_child_sums(c, stride)
@@ -576,10 +597,10 @@ def test_model_shapes_trace_and_iterations(arch: str) -> None:
     # the traced forward returns the same outputs as the plain one
     with torch.no_grad():
         torch.testing.assert_close(model(x), out)
-    assert model.output_kind == ("length" if arch == "capsnet-dynamic" else "activation")
+    assert model.output_kind == ("length" if arch == "dynamic" else "activation")
 
 
-@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("arch", MODELS)
 def test_model_trains_a_step_batch_one_and_independence(arch: str) -> None:
     model = _model(arch, seed=1, types=8)
     model.set_routing(iterations=PAPER_ITERATIONS)
@@ -591,7 +612,7 @@ def test_model_trains_a_step_batch_one_and_independence(arch: str) -> None:
     for _ in range(2):
         opt.zero_grad()
         out = model(x)
-        loss = margin_loss(out, y) if arch == "capsnet-dynamic" else spread_loss(out, y, 0.2)
+        loss = margin_loss(out, y) if arch == "dynamic" else spread_loss(out, y, 0.2)
         assert torch.isfinite(loss)
         loss.backward()
         for name, p in model.named_parameters():
@@ -608,28 +629,28 @@ def test_model_trains_a_step_batch_one_and_independence(arch: str) -> None:
 
 def test_model_api_and_configs() -> None:
     base = get_config("cifar10-caps-simple")
-    dyn = dynamic_config(base)
-    assert dyn.arch == "capsnet-dynamic" and dyn.routing == "sequential"
-    assert all(s.pose == "vector" for s in dyn.layers) and dyn.class_pose == "vector"
-    em = em_config(base)
-    assert em.arch == "capsnet-em" and em.routing == "sequential"
-    assert all(s.pose == "matrix" for s in em.layers) and em.class_pose == "matrix"
-    assert base.arch == "capsnet" and base.layers[0].pose == "matrix"  # base untouched
-    model = DynamicCapsNet(dyn)
+    dyn = base.replace(router={"name": "dynamic"})
+    assert dyn.router == {"name": "dynamic", "iterations": PAPER_ITERATIONS}
+    assert dyn.routing == "sequential"
+    model = CapsNet(dyn)
+    # every pose a vector of the same dim: one-row child poses, 16 columns
+    assert [layer.rows for layer in model.capsules] == [1, 1, 1]
+    assert [layer.cols_in for layer in model.capsules] == [16, 16, 16]
+    em = CapsNet(base.replace(router={"name": "em"}))
+    assert [layer.rows for layer in em.capsules] == [4, 4, 4]  # 4x4 pose matrices
+    assert base.router["name"] == "idpa" and base.layers[0].pose == "matrix"  # base untouched
     groups = model.parameter_counts()
     assert groups["total"] == sum(p.numel() for p in model.parameters())
     assert groups["backbone"] + groups["capsules"] == groups["total"]
-    assert model.routing == "sequential" and model.logit_scale == 1.0
+    assert model.routing == "sequential" and model.head.logit_scale == 1.0
     model.set_routing(iterations=3, mode="sequential")
     assert model.iterations == 3
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="only mode 'sequential'"):
         model.set_routing(mode="concurrent")
     with pytest.raises(ValueError):
         model.set_routing(iterations=0)
     with pytest.raises(ConfigError):
-        DynamicCapsNet(base)
-    with pytest.raises(ConfigError):
-        EMCapsNet(base.replace(arch="capsnet-em", iterations=0))
+        CapsNet(base.replace(router={"name": "em", "iterations": 0}))
 
 
 # --------------------------------------------------------------------------------------------

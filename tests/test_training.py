@@ -382,11 +382,11 @@ def test_eval_reports_the_models_own_loss(tmp_path: Path) -> None:
 
     rows = out.tolist()
     p = tiny_preset()
-    p.model.arch = "capsnet-dynamic"
+    p.model.router = {"name": "dynamic", "iterations": 3}
     name, fn = eval_loss(p, False, 3)
     expected = (margin(rows[0], 0) + margin(rows[1], 1)) / 2
     assert name == "margin" and float(fn(out, y)) == pytest.approx(expected, rel=1e-6)
-    p.model.arch = "capsnet-em"
+    p.model.router = {"name": "em", "iterations": 3}
     name, fn = eval_loss(p, False, 3)
     expected = (spread(rows[0], 0) + spread(rows[1], 1)) / 2
     assert name == "spread" and float(fn(out, y)) == pytest.approx(expected, rel=1e-6)
@@ -400,7 +400,7 @@ def test_evaluate_checkpoint_of_a_dynamic_routing_model_reports_margin_loss(
     tmp_path: Path,
 ) -> None:
     p = tiny_preset(epochs=1, ema_decay=None, steps_per_epoch=2)
-    p.model.arch = "capsnet-dynamic"
+    p.model.router = {"name": "dynamic", "iterations": 3}
     p.model.layers[0].pose = "vector"
     p.model.class_pose = "vector"
     res = fit(p, tmp_path, handle_sigint=False)

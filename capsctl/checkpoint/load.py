@@ -113,6 +113,9 @@ def model_from_tensors(
     path = Path(path)
     model = build_model_from_config(model_config(path, metadata))
     state = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+    upgrade = getattr(model, "upgrade_state", None)
+    if callable(upgrade):  # weights of older checkpoints under today's names
+        state = upgrade(state)
     if path.is_dir():
         check_folder_state(path, model, state)
     else:

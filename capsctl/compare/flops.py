@@ -1,9 +1,11 @@
 """FLOPs of one forward pass, counted by :class:`torch.utils.flop_counter.FlopCounterMode`.
 
 FLOPs are ``2 x`` multiply-accumulates of one forward pass per image. That counter counts
-matrix products and convolutions (``mm``, ``addmm``, ``bmm``, ``convolution``...), not
-elementwise work: the routing's agreement dot products, coefficient-weighted sums and softmax,
-LayerNorm, BatchNorm and activations are not counted. A plain forward pass is what our model
+matrix products and convolutions (``mm``, ``addmm``, ``bmm``, ``convolution``...); the
+routing's elementwise multiply-accumulates (agreement dot products, coefficient-weighted sums
+of votes, EM's means, variances and likelihoods) are added as each routing algorithm reports
+them (:mod:`capsctl.layers.flops`). Softmax, LayerNorm, BatchNorm and activations are not
+counted. A plain forward pass is what our model
 computes; concurrent routing skips the routed passes that cannot reach the output (with T=2
 only the class layer is routed). ``all_passes=True`` counts ``model(x, trace=True)``, which
 computes every pass of every layer, as the authors' implementation does.
@@ -22,9 +24,10 @@ __all__ = ["FLOPS_NOTE", "count_flops"]
 
 FLOPS_NOTE = (
     "FLOPs = 2 x multiply-accumulates, counted by torch.utils.flop_counter.FlopCounterMode for "
-    "one forward pass (batch 2, divided by 2, eval mode); it counts convolutions and matrix "
-    "products (conv, mm, addmm, bmm), not elementwise work (routing agreements and weighted "
-    "sums, softmax, normalization, activations); gflops_all_passes also counts the routed "
+    "one forward pass (batch 2, divided by 2, eval mode) for convolutions and matrix products "
+    "(conv, mm, addmm, bmm), plus the routing's elementwise multiply-accumulates (agreements, "
+    "weighted sums of votes, EM statistics) as each routing algorithm reports them; softmax, "
+    "normalization and activations are not counted; gflops_all_passes also counts the routed "
     "passes that cannot reach the output (every pass, as the authors' code computes them)"
 )
 
@@ -35,11 +38,14 @@ def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: boo
     ``input_shape`` is one image's ``(C, H, W)``. The model runs in eval mode under
     ``torch.no_grad`` on a batch of 2 (so batch-size-1 special cases do not matter) and the
     count is halved; its training mode is restored afterwards. ``all_passes=True`` calls
-    ``model(x, trace=True)`` (capsule nets: every routing pass is computed). Only what
-    :class:`~torch.utils.flop_counter.FlopCounterMode` counts is included: convolutions and
-    matrix products, not elementwise operations.
+    ``model(x, trace=True)`` (capsule nets: every routing pass is computed). Counted: what
+    :class:`~torch.utils.flop_counter.FlopCounterMode` counts (convolutions and matrix
+    products) plus the routing's elementwise multiply-accumulates reported by the routing
+    kernels (:mod:`capsctl.layers.flops`).
     """
     from torch.utils.flop_counter import FlopCounterMode
+
+    from capsctl.layers.flops import routing_flop_tally
 
     shape = [int(v) for v in input_shape]
     if len(shape) != 3 or min(shape) < 1:
@@ -52,11 +58,11 @@ def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: boo
     model.eval()
     try:
         counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
+        with torch.no_grad(), counter, routing_flop_tally() as routing:
             if all_passes:
                 model(x, trace=True)
             else:
                 model(x)
     finally:
         model.train(was_training)
-    return counter.get_total_flops() / 2 / 1e9
+    return (counter.get_total_flops() + routing[0]) / 2 / 1e9

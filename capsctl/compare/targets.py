@@ -31,18 +31,19 @@ ALIASES: dict[str, str] = {"caps": "cifar10-caps", "resnet18": "resnet18"}
 #: Named sets of targets for ``capsctl compare --suite``.
 SUITES: dict[str, list[str]] = {
     # Tsai et al. 2020, Table 1: routing procedures under the same backbones, a CNN of the same
-    # layers and widths, and ResNet-18, on CIFAR-10 and CIFAR-100.
+    # layers and widths, and ResNet-18, on CIFAR-10 and CIFAR-100; plus self-routing (Hahn et
+    # al., NeurIPS 2019) under the same backbones.
     "paper": [
         f"{ds}-{method}{bb}"
         for ds in ("cifar10", "cifar100")
         for bb in ("-simple", "")
-        for method in ("caps", "dynamic", "em", "cnn")
+        for method in ("caps", "dynamic", "em", "self", "cnn")
     ]
     + ["resnet18"],
     "paper-cifar10": [
         f"cifar10-{method}{bb}"
         for bb in ("-simple", "")
-        for method in ("caps", "dynamic", "em", "cnn")
+        for method in ("caps", "dynamic", "em", "self", "cnn")
     ]
     + ["resnet18"],
 }

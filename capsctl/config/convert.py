@@ -3,7 +3,8 @@
 :func:`from_dict` follows the type annotations of a dataclass: unknown keys (with a "did you
 mean" hint), wrong types and out-of-range values raise a :class:`~capsctl.errors.ConfigError`
 naming the dotted path of the field (``train.lr``, ``model.layers[1].kernel``). Keys listed in
-a class's ``RETIRED_FIELDS`` are dropped silently (older files still load).
+a class's ``RETIRED_FIELDS`` are dropped silently, and a class's ``upgrade_mapping`` classmethod
+rewrites older layouts first (older files still load).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union
 
-from capsctl.config.schema import VALIDATORS, join_path
+from capsctl.config.schema import VALIDATORS, check, join_path
 from capsctl.errors import ConfigError
+from capsctl.models.spec import ModelConfig
 
 __all__ = ["describe_type", "from_dict", "show_value", "type_error"]
 
@@ -187,11 +189,30 @@ def _check_keys(keys: typing.Iterable[Any], fields: list[str], path: str) -> Non
             )
 
 
+def validate_router(cfg: ModelConfig, path: str) -> None:
+    """``model.router``: a known algorithm name and that algorithm's parameters (checked like
+    any other fields); ``cfg.router`` is rewritten with every parameter spelled out."""
+    from capsctl.layers.routers import ROUTERS  # torch: only when a model config is read
+
+    name = cfg.router.get("name")
+    if name not in ROUTERS:
+        near = f"; use one of {', '.join(ROUTERS)}"
+        what = "missing" if name is None else f"unknown routing algorithm {name!r}"
+        raise ConfigError(f"{join_path(path, 'name')}: {what}{near}")
+    cls = ROUTERS[name]
+    params = from_dict(cls.Params, {k: v for k, v in cfg.router.items() if k != "name"}, path)
+    iterations = getattr(params, "iterations", 1)
+    check(iterations >= 1, join_path(path, "iterations"), f"must be >= 1, got {iterations}")
+    cfg.router = {"name": name, **dataclasses.asdict(params)}
+
+
 def _validate(obj: Any, path: str) -> None:
     """Run the range checks of ``obj``: :data:`VALIDATORS`, then its ``validate`` method."""
     check = VALIDATORS.get(type(obj))
     if check is not None:
         check(obj, path)
+    if isinstance(obj, ModelConfig):
+        validate_router(obj, join_path(path, "router"))
     hook = getattr(obj, "validate", None)
     if callable(hook):
         if len(inspect.signature(hook).parameters) >= 1:
@@ -213,6 +234,9 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, Mapping):
         raise type_error(path or "top level", "a mapping", data)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    upgrade = getattr(cls, "upgrade_mapping", None)
+    if callable(upgrade):  # files written by older versions
+        data = upgrade(data)
     retired = getattr(cls, "RETIRED_FIELDS", ())
     data = {k: v for k, v in data.items() if k not in retired}
     _check_keys(data, list(fields), path)

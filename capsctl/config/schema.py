@@ -280,7 +280,6 @@ def validate_model(cfg: ModelConfig, path: str) -> None:
     for name in ("num_classes", "in_channels", "input_size", "primary_types", "primary_dim"):
         value = getattr(cfg, name)
         check(value >= 1, join_path(path, name), f"must be >= 1, got {value}")
-    check(cfg.iterations >= 1, join_path(path, "iterations"), f"must be >= 1, got {cfg.iterations}")
     check(0 <= cfg.dropout < 1, join_path(path, "dropout"), f"must be in [0, 1), got {cfg.dropout}")
     if cfg.class_pose_dim is None:
         return

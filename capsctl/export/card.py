@@ -46,19 +46,6 @@ _BIBTEX = """@inproceedings{tsai2020capsules,
   archivePrefix = {arXiv}
 }"""
 _ARCH_TEXT = {
-    "capsnet": (
-        "a capsule network with inverted dot-product attention routing, in which parent "
-        "capsules compete for each child capsule's vote (a softmax over parents of the "
-        "agreement between the vote and the parent's pose)"
-    ),
-    "capsnet-dynamic": (
-        "a capsule network with dynamic routing (Sabour, Frosst and Hinton, NeurIPS 2017, "
-        "arXiv:1710.09829), one of the routing baselines of the paper below"
-    ),
-    "capsnet-em": (
-        "a capsule network with EM routing (Hinton, Sabour and Frosst, ICLR 2018), one of the "
-        "routing baselines of the paper below"
-    ),
     "cnn": (
         "a plain convolutional network with the backbone and layer widths of the capsule "
         "network it is compared with (a baseline of the paper below)"
@@ -100,6 +87,32 @@ def _pct(value: float) -> str:
     return f"{100 * value:.2f}%"
 
 
+def _upgraded(raw_model: Any) -> dict[str, Any]:
+    """The model mapping of a checkpoint, in today's layout (older files too)."""
+    from capsctl.models.spec import ModelConfig
+
+    return ModelConfig.upgrade_mapping(raw_model) if isinstance(raw_model, Mapping) else {}
+
+
+def _router(raw_model: Mapping[str, Any]) -> Any:
+    """The routing algorithm class of a capsule network's mapping, else None."""
+    from capsctl.layers.routers import ROUTERS
+
+    if raw_model.get("arch", "capsnet") != "capsnet":
+        return None
+    router = raw_model.get("router")
+    name = router.get("name", "idpa") if isinstance(router, Mapping) else "idpa"
+    return ROUTERS.get(str(name))
+
+
+def _described(raw_model: Mapping[str, Any]) -> str:
+    arch = str(raw_model.get("arch", "capsnet"))
+    algo = _router(raw_model)
+    if algo is not None:
+        return f"a capsule network with {algo.summary}"
+    return _ARCH_TEXT.get(arch, f"a `{arch}` model")
+
+
 def _layers_text(raw_model: Mapping[str, Any]) -> str:
     layers = raw_model.get("layers") or []
     if not layers:
@@ -118,12 +131,10 @@ def _layers_text(raw_model: Mapping[str, Any]) -> str:
 def _front_matter(
     meta: Mapping[str, Any], name: str, license: str, test: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    arch = str((meta.get("preset") or {}).get("model", {}).get("arch", "capsnet"))
+    algo = _router(_upgraded((meta.get("preset") or {}).get("model") or {}))
     tags = ["image-classification", "capsctl", "pytorch", "safetensors"]
-    if arch.startswith("capsnet"):
-        tags.insert(1, "capsule-network")
-    if arch == "capsnet":
-        tags.insert(2, "inverted-dot-product-attention-routing")
+    if algo is not None:
+        tags[1:1] = ["capsule-network", algo.title.lower().replace(" ", "-")]
     front: dict[str, Any] = {
         "library_name": "capsctl",
         "license": license,
@@ -184,10 +195,11 @@ def _model_table(
             f"{raw_model.get('primary_dim')} |",
             f"| capsule layers | {_layers_text(raw_model)} |",
         ]
-    if arch.startswith("capsnet"):
-        lines.append(
-            f"| routing | {raw_model.get('iterations')} iterations, {raw_model.get('routing')} |"
-        )
+    algo = _router(raw_model)
+    if algo is not None:
+        router = dict(raw_model.get("router") or {})
+        settings = ", ".join(f"{k} {v}" for k, v in router.items() if k != "name")
+        lines.append(f"| routing | {algo.title}{': ' + settings if settings else ''} |")
     total = params.get("total")
     split = ""
     if params.get("capsules"):
@@ -310,14 +322,13 @@ def model_card(
     test = _test_result(meta)
     front = _front_matter(meta, name, license, test)
     preset = meta.get("preset") or {}
-    raw_model = preset.get("model") or {}
-    arch = str(raw_model.get("arch", "capsnet"))
+    raw_model = _upgraded(preset.get("model") or {})
     dataset = str(meta.get("dataset") or (preset.get("data") or {}).get("dataset") or "unknown")
     display, _ = _dataset_names(dataset)
     channels = meta.get("in_channels") or raw_model.get("in_channels")
     size = meta.get("input_size") or raw_model.get("input_size")
     classes = list(meta.get("classes") or [])
-    described = _ARCH_TEXT.get(arch, f"a `{arch}` model")
+    described = _described(raw_model)
     folder = "DIR" if repo_id else name
     sections = [
         ["---", yaml.safe_dump(front, sort_keys=False, allow_unicode=True).rstrip(), "---"],

@@ -58,6 +58,16 @@ class InspectionResult:
         return self.report.routing
 
     @property
+    def algorithm(self) -> str:
+        """The routing algorithm's title, e.g. ``self-routing``."""
+        return self.report.algorithm_title
+
+    @property
+    def coefficient_name(self) -> str:
+        """What the algorithm's coefficients are, e.g. ``gating weights``."""
+        return self.report.coefficient_name
+
+    @property
     def classes(self) -> list[str]:
         """Class names, one per logit."""
         return self.report.classes

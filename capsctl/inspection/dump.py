@@ -39,9 +39,13 @@ def dump_coefficients(report: RoutingReport, path: str | os.PathLike[str]) -> Pa
         for li, per_layer in enumerate(report.coefficients)
         for ti, c in enumerate(per_layer)
     }
+    for li, per_layer in enumerate(report.activations):
+        for ti, a in enumerate(per_layer):
+            tensors[f"layer{li}.iter{ti + 1}.activations"] = a.to("cpu", torch.float32).contiguous()
     grids = [None if g is None else list(g) for g in report.child_grids]
     metadata = {
         "format": "capsctl-routing",
+        "algorithm": report.algorithm,
         "kinds": json.dumps(report.kinds),
         "child_grids": json.dumps(grids),
         "classes": json.dumps(report.classes, ensure_ascii=False),

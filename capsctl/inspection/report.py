@@ -126,11 +126,13 @@ class ImageRouting:
 class RoutingReport:
     """Result of :func:`capsctl.inspection.trace.inspect_routing`.
 
-    ``iterations``/``routing``: the T and schedule used. ``layers``: per-layer statistics.
-    ``images``: per-image class routing. ``coefficients[l][t - 1]`` and ``poses[l][t - 1]``:
-    the raw trace on the CPU (conv ``[b, h, w, k, l, n, m]``, FC ``[b, n, m]``; not part of
-    :meth:`to_dict`). ``kinds``/``child_grids``: per layer, as in the trace. ``logits``:
-    ``[N, classes]``.
+    ``iterations``/``routing``: the T and schedule used. ``algorithm``: the routing
+    algorithm's name, ``algorithm_title`` its title and ``coefficient_name`` what its
+    coefficients are (``gating weights`` for self-routing). ``layers``: per-layer statistics.
+    ``images``: per-image class routing. ``coefficients[l][t - 1]``, ``poses[l][t - 1]`` and
+    ``activations[l][t - 1]`` (empty for algorithms without activations): the raw trace on the
+    CPU (conv ``[b, h, w, k, l, n, m]``, FC ``[b, n, m]``; not part of :meth:`to_dict`).
+    ``kinds``/``child_grids``: per layer, as in the trace. ``logits``: ``[N, classes]``.
     """
 
     iterations: int
@@ -143,10 +145,16 @@ class RoutingReport:
     kinds: list[str] = field(default_factory=list)
     child_grids: list[tuple[int, int, int] | None] = field(default_factory=list)
     logits: Tensor | None = field(default=None, repr=False)
+    algorithm: str = "idpa"
+    algorithm_title: str = "inverted dot-product attention routing"
+    coefficient_name: str = "routing coefficients"
+    activations: list[list[Tensor]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (lists, dicts, numbers, strings, None; no tensors)."""
         return {
+            "algorithm": self.algorithm,
+            "coefficients": self.coefficient_name,
             "iterations": self.iterations,
             "routing": self.routing,
             "classes": list(self.classes),

@@ -77,7 +77,10 @@ def _traced_forward(
     saved = (model.iterations, model.routing, model.training)
     device = next(model.parameters()).device
     try:
-        model.set_routing(iterations, routing)
+        try:
+            model.set_routing(iterations, routing)
+        except ValueError as e:
+            raise UsageError(f"{e}; change --iterations or --routing") from None
         model.eval()
         with torch.no_grad():
             logits, trace = model(images.to(device), trace=True)
@@ -112,7 +115,12 @@ def inspect_routing(
     poses = [[p.detach().cpu() for p in per] for per in trace.poses]
     logits = logits.detach().cpu().float()  # [N, classes]
     grids = [None if g is None else (int(g[0]), int(g[1]), int(g[2])) for g in trace.child_grids]
+    algo = model.algorithm  # type: ignore[union-attr]
     return RoutingReport(
+        algorithm=algo.name,
+        algorithm_title=algo.title,
+        coefficient_name=algo.coefficient_name,
+        activations=[[a.detach().cpu() for a in per] for per in trace.activations],
         iterations=len(coefficients[0]),
         routing=routing or default_routing,
         classes=list(classes),

@@ -15,14 +15,6 @@ def build_model_from_config(cfg: ModelConfig) -> nn.Module:
         from capsctl.models.capsnet import CapsNet
 
         return CapsNet(cfg)
-    if cfg.arch == "capsnet-dynamic":
-        from capsctl.models.routing_baselines import DynamicCapsNet
-
-        return DynamicCapsNet(cfg)
-    if cfg.arch == "capsnet-em":
-        from capsctl.models.routing_baselines import EMCapsNet
-
-        return EMCapsNet(cfg)
     if cfg.arch == "cnn":
         from capsctl.models.baselines import CNNBaseline
 

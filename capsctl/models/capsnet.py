@@ -1,34 +1,19 @@
-"""Capsule network with inverted dot-product attention routing (Tsai et al., ICLR 2020)."""
+"""The capsule network, for every routing algorithm (capsctl/layers/routers/): inverted
+dot-product attention routing (Tsai et al., ICLR 2020) by default."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from capsctl.errors import ConfigError
-from capsctl.layers.capsules import ConvCapsules, FCCapsules, PrimaryCapsules
+from capsctl.layers.algorithm import Capsules, LayerPlan, NetworkPlan, RoutingTrace
 from capsctl.layers.poses import pose_shape
+from capsctl.layers.routers.idpa import PerClassHead
 from capsctl.models.backbones import BACKBONE_CHANNELS, backbone_grid, build_backbone
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
-
-
-@dataclass
-class RoutingTrace:
-    """Routing coefficients of every capsule layer at every iteration.
-
-    ``coefficients[l][t]`` is layer ``l``'s (0 = first capsule layer after the primary capsules)
-    coefficients at iteration ``t`` (0 = the uniform pass): ``[b, h, w, k, l, n, m]`` for conv
-    layers, ``[b, n, m]`` for FC layers. ``poses[l][t]`` holds the parent poses after that pass.
-    ``child_grids[l]`` is the ``(h, w, n)`` grid that an FC layer's flat children come from, or
-    None.
-    """
-
-    coefficients: list[list[Tensor]] = field(default_factory=list)
-    poses: list[list[Tensor]] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)
-    child_grids: list[tuple[int, int, int] | None] = field(default_factory=list)
 
 
 def _class_capsules(cfg: ModelConfig) -> CapsLayerSpec:
@@ -98,144 +83,128 @@ def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
     return plan
 
 
-class PerClassHead(nn.Module):
-    """``logit_c = w_c . p_c + b_c``: a separate linear read-out per class capsule."""
+def _as_vectors(cfg: ModelConfig) -> ModelConfig:
+    """Every pose a vector of the same dim (for algorithms with vector poses only)."""
+    layers = [dataclasses.replace(s, pose="vector") for s in cfg.layers]
+    return cfg.replace(layers=layers, class_pose="vector")
 
-    def __init__(self, classes: int, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(classes, dim))
-        self.bias = nn.Parameter(torch.zeros(classes))
-        nn.init.uniform_(self.weight, -(dim**-0.5), dim**-0.5)
 
-    def forward(self, poses: Tensor) -> Tensor:
-        return (poses * self.weight).sum(-1, keepdim=True) + self.bias[:, None]  # [b, classes, 1]
+def layer_plans(cfg: ModelConfig, vector_poses: bool = False) -> list[LayerPlan]:
+    """The capsule layers to build (class capsules last), from :func:`plan_layers`."""
+    plans = []
+    for item in plan_layers(_as_vectors(cfg) if vector_poses else cfg):
+        spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
+        conv = spec.kind == "conv"
+        plans.append(
+            LayerPlan(
+                kind=spec.kind,
+                in_types=item["in_types"],  # type: ignore[arg-type]
+                in_dim=item["in_dim"],  # type: ignore[arg-type]
+                out_types=spec.types,
+                out_dim=spec.pose_dim,
+                pose=spec.pose,
+                kernel=spec.kernel if conv else 1,
+                stride=spec.stride if conv else 1,
+            )
+        )
+    plans[-1] = dataclasses.replace(plans[-1], last=True)
+    return plans
 
 
 class CapsNet(nn.Module):
-    """Backbone -> primary capsules -> capsule layers -> class capsules -> shared linear head.
+    """Backbone -> primary capsules -> capsule layers -> class capsules -> read-out, with the
+    routing algorithm of ``cfg.router`` (capsctl/layers/routers/).
 
-    ``forward(x)`` returns logits ``[b, classes]``. ``forward(x, trace=True)`` also returns a
-    :class:`RoutingTrace` with every layer's coefficients at every iteration (all passes are then
-    computed, including those that cannot reach the output).
+    ``forward(x)`` returns the algorithm's outputs ``[b, classes]`` (``output_kind``: logits,
+    class capsule lengths or class activations). ``forward(x, trace=True)`` also returns a
+    :class:`RoutingTrace` with every layer's coefficients at every iteration (all passes are
+    then computed, including those that cannot reach the output). ``set_routing`` changes T or
+    the schedule without touching the weights.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.iterations < 1:
-            raise ConfigError("model.iterations: must be >= 1")
+        if cfg.arch != "capsnet":
+            raise ConfigError(f"model.arch: CapsNet builds arch 'capsnet', got {cfg.arch!r}")
+        try:
+            self.algorithm = cfg.algorithm()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"model.router: {e}") from None
         self.config = cfg
-        self.iterations = cfg.iterations
-        self.routing = cfg.routing
-        self.backbone = build_backbone(cfg.backbone, cfg.in_channels)
-        self.primary = PrimaryCapsules(
-            BACKBONE_CHANNELS[cfg.backbone],
-            cfg.primary_types,
-            cfg.primary_dim,
+        self.iterations = self.algorithm.iterations
+        self.routing = self.algorithm.schedule
+        self.algorithm.check_routing(self.iterations, self.routing)
+        self.output_kind = self.algorithm.output_kind
+        plan = NetworkPlan(
+            channels=BACKBONE_CHANNELS[cfg.backbone],
+            primary_types=cfg.primary_types,
+            primary_dim=cfg.primary_dim,
+            num_classes=cfg.num_classes,
+            dropout=cfg.dropout,
             layer_norm=cfg.layer_norm,
+            agreement_scale=cfg.agreement_scale,
+            head=cfg.head,
         )
-        common = dict(
-            dropout=cfg.dropout, layer_norm=cfg.layer_norm, agreement_scale=cfg.agreement_scale
-        )
-        layers: list[nn.Module] = []
+        self.backbone = build_backbone(cfg.backbone, cfg.in_channels)
+        self.primary = self.algorithm.make_primary(plan)
+        layers = layer_plans(cfg, self.algorithm.vector_poses)
+        self.capsules = nn.ModuleList(self.algorithm.make_layer(p, plan) for p in layers)
         self._child_grids: list[tuple[int, int, int] | None] = []
         for item in plan_layers(cfg):
-            spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
-            if spec.kind == "conv":
-                layers.append(
-                    ConvCapsules(
-                        item["in_types"],
-                        item["in_dim"],
-                        spec.types,
-                        spec.pose_dim,  # type: ignore[arg-type]
-                        kernel=spec.kernel,
-                        stride=spec.stride,
-                        pose=spec.pose,
-                        **common,
-                    )
-                )
-                self._child_grids.append(None)
-            else:
-                layers.append(
-                    FCCapsules(
-                        item["in_types"],
-                        item["in_dim"],
-                        spec.types,
-                        spec.pose_dim,  # type: ignore[arg-type]
-                        pose=spec.pose,
-                        **common,
-                    )
-                )
-                g = item["in_grid"]
-                self._child_grids.append((g, g, item["child_types"]) if g is not None else None)  # type: ignore[arg-type]
-        self.capsules = nn.ModuleList(layers)
-        dim = self.capsules[-1].out_dim
-        self.head = (
-            nn.Linear(dim, 1) if cfg.head == "shared" else PerClassHead(cfg.num_classes, dim)
-        )
+            g = item["in_grid"] if item["spec"].kind == "fc" else None  # type: ignore[attr-defined]
+            self._child_grids.append((g, g, item["child_types"]) if g is not None else None)  # type: ignore[arg-type]
+        self.head = self.algorithm.make_head(layers[-1].out_dim, plan)
+        self._register_load_state_dict_pre_hook(_legacy_keys)
+
+    @property
+    def router(self) -> str:
+        """The routing algorithm's name."""
+        return self.algorithm.name
 
     def set_routing(self, iterations: int | None = None, mode: str | None = None) -> None:
-        """Change T or the schedule without touching the weights."""
+        """Change T or the schedule without touching the weights (ValueError if the algorithm
+        has no such setting)."""
+        self.algorithm.check_routing(iterations, mode)
         if iterations is not None:
-            if iterations < 1:
-                raise ValueError("iterations must be >= 1")
             self.iterations = iterations
         if mode is not None:
-            if mode not in ("concurrent", "sequential"):
-                raise ValueError(f"unknown routing mode {mode!r}")
             self.routing = mode
 
-    def class_poses(self, x: Tensor, trace: RoutingTrace | None = None) -> Tensor:
-        feats = self.backbone(x)
-        child = self.primary(feats)  # [b, h, w, n, d]
-        layers = list(self.capsules)
-        big_l, big_t = len(layers), self.iterations
+    def class_capsules(self, x: Tensor, trace: RoutingTrace | None = None) -> Capsules:
+        """The class capsules (poses ``[b, classes, d]``, activations ``[b, classes]`` or None)."""
+        caps = self.primary(self.backbone(x))
         if trace is not None:
-            trace.kinds = ["conv" if isinstance(m, ConvCapsules) else "fc" for m in layers]
+            n = len(self.capsules)
+            trace.kinds = [layer.kind for layer in self.capsules]
             trace.child_grids = list(self._child_grids)
-            trace.coefficients = [[] for _ in layers]
-            trace.poses = [[] for _ in layers]
+            trace.coefficients = [[] for _ in range(n)]
+            trace.poses = [[] for _ in range(n)]
+            trace.activations = [[] for _ in range(n)]
+            trace.algorithm = self.algorithm.name
+        return self.algorithm.run(list(self.capsules), caps, self.iterations, self.routing, trace)
 
-        def record(i: int, pose: Tensor, coeff: Tensor) -> None:
-            if trace is not None:
-                trace.coefficients[i].append(coeff.detach())
-                trace.poses[i].append(pose.detach())
-
-        if self.routing == "sequential":
-            for i, layer in enumerate(layers):
-                parent = layer.uniform(child)
-                if trace is not None:
-                    record(i, parent, layer.uniform_coefficients(child))
-                for _ in range(2, big_t + 1):
-                    parent, coeff = layer.route(child, parent)
-                    record(i, parent, coeff)
-                child = parent
-            return child
-
-        # Concurrent: iteration 1 is one uniform bottom-up pass; every later iteration updates
-        # all layers at once from the poses of the previous iteration.
-        poses: list[Tensor] = [child]
-        for i, layer in enumerate(layers):
-            poses.append(layer.uniform(poses[-1]))
-            if trace is not None:
-                record(i, poses[-1], layer.uniform_coefficients(poses[-2]))
-        for t in range(2, big_t + 1):
-            new = list(poses)
-            for i, layer in enumerate(layers):
-                # Pass t of layer i+1 (1-based) reaches the output only if t <= T - (L - (i+1)).
-                if trace is None and t > big_t - (big_l - (i + 1)):
-                    continue
-                new[i + 1], coeff = layer.route(poses[i], poses[i + 1])
-                record(i, new[i + 1], coeff)
-            poses = new
-        return poses[-1]
+    def class_poses(self, x: Tensor, trace: RoutingTrace | None = None) -> Tensor | None:
+        """The class capsules' poses ``[b, classes, d]`` (None for an algorithm whose class
+        capsules carry activations only, as self-routing's)."""
+        return self.class_capsules(x, trace).poses
 
     def forward(self, x: Tensor, trace: bool = False) -> Tensor | tuple[Tensor, RoutingTrace]:
         rt = RoutingTrace() if trace else None
-        poses = self.class_poses(x, rt)  # [b, classes, d]
-        logits = self.head(poses).squeeze(-1)  # [b, classes]
+        out = self.head(self.class_capsules(x, rt))  # [b, classes]
         if rt is not None:
-            return logits, rt
-        return logits
+            return out, rt
+        return out
+
+    @staticmethod
+    def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+        """Weights of older checkpoints under today's names: EM models written before routers
+        were data kept the primary activation convolution at ``primary_act``, now
+        ``primary.act``."""
+        old = "primary_act."
+        return {
+            ("primary.act." + k[len(old) :] if k.startswith(old) else k): v
+            for k, v in state.items()
+        }
 
     def parameter_counts(self) -> dict[str, int]:
         """Parameter counts of the backbone and of the capsule part."""
@@ -244,10 +213,17 @@ class CapsNet(nn.Module):
         return {"total": total, "backbone": backbone, "capsules": total - backbone}
 
 
+def _legacy_keys(state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-state pre-hook: :meth:`CapsNet.upgrade_state` on the keys under ``prefix``."""
+    keys = [k for k in state if k.startswith(prefix)]
+    renamed = CapsNet.upgrade_state({k[len(prefix) :]: state.pop(k) for k in keys})
+    state.update({prefix + k: v for k, v in renamed.items()})
+
+
 def architecture_summary(cfg: ModelConfig) -> str:
     """One line naming the backbone, the primary capsules, every capsule layer with its output
-    grid, and the routing schedule, e.g. ``resnet backbone, primary 32x16, conv 32x16 k3s2 ->
-    7x7, conv 32x16 k3s1 -> 5x5, fc 800->10; T=2 concurrent``."""
+    grid, and the routing, e.g. ``resnet backbone, primary 32x16, conv 32x16 k3s2 -> 7x7, conv
+    32x16 k3s1 -> 5x5, fc 800->10; inverted dot-product attention routing, T=2 concurrent``."""
     plan = plan_layers(cfg)
     parts = [f"{cfg.backbone} backbone", f"primary {cfg.primary_types}x{cfg.primary_dim}"]
     for item in plan:
@@ -259,4 +235,9 @@ def architecture_summary(cfg: ModelConfig) -> str:
             )
         else:
             parts.append(f"fc {item['in_types']}->{spec.types}")
-    return ", ".join(parts) + f"; T={cfg.iterations} {cfg.routing}"
+    algo = cfg.algorithm()
+    routing = f"T={cfg.iterations} {cfg.routing}" if algo.iterative else "one pass"
+    return ", ".join(parts) + f"; {algo.title}, {routing}"
+
+
+__all__ = ["CapsNet", "PerClassHead", "RoutingTrace", "architecture_summary", "plan_layers"]

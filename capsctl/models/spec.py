@@ -9,14 +9,26 @@ rebuilt from data alone.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from capsctl.layers.poses import PoseKind
 
-Arch = Literal["capsnet", "capsnet-dynamic", "capsnet-em", "cnn", "resnet18"]
+Arch = Literal["capsnet", "cnn", "resnet18"]
 Backbone = Literal["simple", "resnet"]
 RoutingMode = Literal["concurrent", "sequential"]
+
+#: The default router: the paper's, inverted dot-product attention, T=2 concurrent.
+DEFAULT_ROUTER: dict[str, Any] = {"name": "idpa", "iterations": 2, "schedule": "concurrent"}
+# Files written before routers were data: ``arch`` named the algorithm, and its settings were
+# top-level fields. :meth:`ModelConfig.upgrade_mapping` turns them into ``router``.
+_LEGACY_ARCH = {"capsnet-dynamic": "dynamic", "capsnet-em": "em"}
+_LEGACY_EM = {
+    "em_lambda": "lambda_inf",
+    "em_assignment": "assignment",
+    "em_standardize_costs": "standardize_costs",
+}
 
 
 @dataclass
@@ -40,22 +52,17 @@ class CapsLayerSpec:
 class ModelConfig:
     """Everything needed to build a model.
 
-    For ``arch: capsnet`` the network is: backbone -> primary capsules (1x1 conv, LayerNorm)
-    -> ``layers`` -> class capsules (an FC capsule layer with ``num_classes`` types and pose
-    dim ``class_pose_dim``, default: the last layer's) -> one shared ``Linear(D, 1)`` per class.
+    For ``arch: capsnet`` the network is: backbone -> primary capsules -> ``layers`` -> class
+    capsules (an FC capsule layer with ``num_classes`` types and pose dim ``class_pose_dim``,
+    default: the last layer's) -> the routing algorithm's read-out. ``router`` names the
+    routing algorithm and its parameters (``{name: idpa, iterations: 2, schedule:
+    concurrent}``, ``{name: dynamic, iterations: 3}``, ``{name: em, iterations: 3,
+    lambda_inf: 0.02, assignment: parents}``, ``{name: self}``; see capsctl/layers/routers/).
     ``arch: cnn`` is a plain CNN with the same backbone and the same layer widths.
     ``arch: resnet18`` is torchvision's ResNet-18 with the CIFAR stem.
-    ``arch: capsnet-dynamic`` / ``capsnet-em`` use the same layer list with dynamic routing
-    (Sabour et al. 2017) or EM routing (Hinton et al. 2018) instead.
-    ``head``: ``shared`` (one ``Linear(D, 1)`` for every class, the paper's) or ``per_class``.
 
-    EM routing only (``arch: capsnet-em``; see capsctl/layers/em_routing.py):
-    ``em_lambda``: ``lambda_inf`` of the inverse-temperature schedule
-    ``lambda_t = lambda_inf * (1 - 0.95^(t+1))`` of conv capsule layers (FC layers use a quarter
-    of it); the default 0.02 is the authors' implementation's. ``em_assignment``: ``parents``
-    (the paper's: a conv child's assignments are normalized over every parent it votes for) or
-    ``window`` (each window routed on its own). ``em_standardize_costs``: standardize the costs
-    over the parent types of each site (a stabilizer not in the paper; off by default).
+    Inverted dot-product attention only: ``dropout``, ``layer_norm``, ``agreement_scale`` and
+    ``head`` (``shared``: one ``Linear(D, 1)`` for every class, the paper's; or ``per_class``).
     """
 
     arch: Arch = "capsnet"
@@ -68,18 +75,79 @@ class ModelConfig:
     layers: list[CapsLayerSpec] = field(default_factory=list)
     class_pose: PoseKind = "matrix"
     class_pose_dim: int | None = None
-    iterations: int = 2
-    routing: RoutingMode = "concurrent"
+    router: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_ROUTER))
     dropout: float = 0.0
     layer_norm: bool = True
     agreement_scale: bool = True
     head: Literal["shared", "per_class"] = "shared"
-    em_lambda: float = 0.02
-    em_assignment: Literal["parents", "window"] = "parents"
-    em_standardize_costs: bool = False
+
+    def __post_init__(self) -> None:
+        from capsctl.layers.routers import ROUTERS
+
+        cls = ROUTERS.get(str(self.router.get("name")))
+        if cls is not None:  # defaults filled in; unknown names are reported by validation
+            self.router = {"name": cls.name, **_param_defaults(cls), **self.router}
+
+    @property
+    def iterations(self) -> int:
+        """The router's T (1 for an algorithm without iterations)."""
+        return int(self.router.get("iterations", 1))
+
+    @property
+    def routing(self) -> str:
+        """The router's schedule (``sequential`` for algorithms that only have that one)."""
+        return str(self.router.get("schedule", "sequential"))
+
+    def algorithm(self) -> Any:
+        """The :class:`~capsctl.layers.algorithm.RoutingAlgorithm` of ``router``."""
+        from capsctl.layers.routers import make_router
+
+        return make_router(self.router)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; ``iterations`` and ``routing`` (the schedule) go to the
+        router."""
+        router = dict(changes.pop("router", self.router))
+        if "iterations" in changes:
+            router["iterations"] = changes.pop("iterations")
+        if "routing" in changes:
+            router["schedule"] = changes.pop("routing")
+        return dataclasses.replace(self, router=router, **changes)
+
+    @classmethod
+    def upgrade_mapping(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """A mapping written before routers were data, as one of today: ``arch:
+        capsnet-dynamic`` / ``capsnet-em`` become ``arch: capsnet`` with router ``dynamic`` /
+        ``em``; top-level ``iterations``, ``routing`` and ``em_*`` move into ``router`` (they
+        also override a router given as well, as ``--set model.iterations=3`` does). Settings
+        the old models ignored (the schedule and EM knobs of other routers, any of them for
+        ``cnn`` and ``resnet18``) are dropped."""
+        out = dict(data)
+        legacy = {k: out.pop(k) for k in ("iterations", "routing", *_LEGACY_EM) if k in out}
+        arch = out.get("arch")
+        if isinstance(arch, str) and arch in _LEGACY_ARCH:
+            out["arch"], out["router"] = "capsnet", {"name": _LEGACY_ARCH[arch]}
+        if not legacy or out.get("arch", "capsnet") != "capsnet":
+            return out
+        router = out.get("router")
+        if not isinstance(router, Mapping):
+            if router is not None:
+                return out  # reported by validation
+            router = {"name": "idpa"}
+        router = dict(router)
+        name = router.get("name")
+        if "iterations" in legacy and name != "self":
+            router["iterations"] = legacy["iterations"]
+        if "routing" in legacy and (name == "idpa" or legacy["routing"] != "sequential"):
+            router["schedule"] = legacy["routing"]
+        if name == "em":
+            router.update({_LEGACY_EM[k]: v for k, v in legacy.items() if k in _LEGACY_EM})
+        out["router"] = router
+        return out
+
+
+def _param_defaults(cls: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cls.Params())

@@ -28,7 +28,8 @@ def print_export(res: Any) -> None:
 def print_inspection(result: Any) -> None:
     """Header, three tables and the files written, from an InspectionResult."""
     out.print(
-        f"[bold]{result.checkpoint}[/]  T={result.iterations} {result.routing}  on {result.inputs}"
+        f"[bold]{result.checkpoint}[/]  {result.algorithm}, T={result.iterations} "
+        f"{result.routing}  on {result.inputs}  (coefficients: {result.coefficient_name})"
     )
     out.print(_statistics_table(result))
     out.print(
