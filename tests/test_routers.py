@@ -191,6 +191,26 @@ def test_flop_count_includes_the_routing() -> None:
     assert count_flops(model, [1, 28, 28]) == pytest.approx(matmuls + routing, rel=1e-9)
 
 
+def test_flop_count_includes_em_routing() -> None:
+    """EM routing adds ``2 * 2 * J * B * m * d`` FLOPs per M-step (the two moments) and per
+    E-step but the last (the quadratic form): ``2 T - 1`` of them at T iterations."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from capsctl.compare.flops import count_flops
+
+    cfg = resolve_config({**tiny_model("em"), "router": {"name": "em", "iterations": 3}})
+    model = build_model_from_config(cfg).eval()
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(torch.randn(2, 1, 28, 28))
+    matmuls = counter.get_total_flops() / 2 / 1e9  # per image
+    # per image: conv capsules: 6x6 sites, J = 3*3*4 children, m = 4 types, d = 16;
+    # class capsules: 1 site, J = 6*6*4, m = 10, d = 16
+    entries = 6 * 6 * (3 * 3 * 4) * 4 * 16 + 1 * (6 * 6 * 4) * 10 * 16
+    routing = 2 * 2 * entries * (2 * 3 - 1) / 1e9
+    assert count_flops(model, [1, 28, 28]) == pytest.approx(matmuls + routing, rel=1e-9)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, data_root: Path) -> dict[str, Path]:
     """One tiny trained checkpoint per algorithm (3 steps on MNIST)."""

@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from capsctl.layers.baseline_capsules import BaselineCapsules, window_sites
 from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
+from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE
 
 # Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
@@ -376,6 +377,11 @@ class EMCapsules(BaselineCapsules):
             grid = WindowGrid.of(act, self.kernel, self.stride)
         lam = self.final_lambda if final_lambda is None else final_lambda
         knobs = {"grid": grid, "standardize_costs": self.standardize_costs}
+        # per vote entry, 2 multiply-accumulates in each M-step (the moments sum_J R V and
+        # sum_J R V^2) and in each E-step but the last (the quadratic form of the Gaussian)
+        bsz, j = a_in.shape
+        entries = bsz * j * self.out_types * self.out_dim
+        add_routing_flops(2 * 2 * entries * (2 * iterations - 1))
         dt = self.weight.dtype
         with torch.autocast(xs.device.type, enabled=False):  # routing stays in float32
             xs, a_in = xs.to(dt), a_in.to(dt)
