@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from capsctl.layers import self_routing
 from capsctl.layers.routing import dense_routing
 from capsctl.layers.self_routing import SelfRoutingCapsules
 
@@ -245,8 +246,12 @@ def _grads(layer: SelfRoutingCapsules, child, act, dense: bool):
     return [poses, acts, coef, *torch.autograd.grad(loss, inputs)]
 
 
+@pytest.mark.parametrize("weight_chunk", [2**20, 200])  # one chunk of gating weights, many
 @pytest.mark.parametrize("kind", ["conv", "fc"])
-def test_chunked_matches_dense(kind: str) -> None:
+def test_chunked_matches_dense(
+    kind: str, weight_chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(self_routing, "SELF_WEIGHTS_CHUNK_BYTES", weight_chunk)
     if kind == "conv":
         layer = _layer("conv", 3, 16, 4, 16, 4, kernel=3, stride=2)
         child = torch.randn(3, 7, 7, 3, 16, dtype=torch.float64, requires_grad=True)

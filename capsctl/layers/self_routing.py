@@ -54,9 +54,23 @@ def _weights_dense(logits: Tensor, act: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return c, mass / (total + SELF_ROUTING_EPS), parent
 
 
+# Bytes of one ``[J, Bc, m]`` chunk of the gating weights: the dozen passes over a chunk stay
+# in cache (over the whole ``[J, B, m]`` they run at memory speed).
+SELF_WEIGHTS_CHUNK_BYTES = 2**20
+
+
+def _site_chunks(like: Tensor) -> list[tuple[int, int]]:
+    """Equal chunks of the sites ``B`` of ``like[J, B, m]``, ``SELF_WEIGHTS_CHUNK_BYTES`` each."""
+    j, bsz, m = like.shape
+    bc = max(1, min(bsz, SELF_WEIGHTS_CHUNK_BYTES // max(1, j * m * like.element_size())))
+    bc = -(-bsz // -(-bsz // bc))
+    return [(b0, min(bsz, b0 + bc)) for b0 in range(0, bsz, bc)]
+
+
 class SelfWeights(torch.autograd.Function):
-    """:func:`_weights_dense` with a hand-written backward pass: a few contiguous passes over
-    ``[J, B, m]`` where autograd's broadcast products and quotients take many more.
+    """:func:`_weights_dense` with a hand-written backward pass, chunk by chunk of sites: a
+    few passes over each cache-sized chunk of ``[J, B, m]``, where autograd's broadcast products
+    and quotients take many passes over the whole tensor.
 
     With ``A = sum_J a``, ``T = sum_J c a``, ``r = 1 / (T + EPS)``, ``w = c a r`` and
     ``P = T / (A + EPS)``, from ``gw = d loss / d w`` and ``gP = d loss / d P``:
@@ -66,12 +80,16 @@ class SelfWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, act: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        c = torch.softmax(logits, dim=-1)  # [J, B, m]
         at = act.t().contiguous()  # [J, B]
-        w = c * at.unsqueeze(-1)  # [J, B, m]: c_ij a_i
-        total = w.sum(0)  # [B, m]
+        c, w = torch.empty_like(logits), torch.empty_like(logits)  # [J, B, m] each
+        total = logits.new_empty(logits.shape[1:])  # [B, m]
+        for b0, b1 in _site_chunks(logits):
+            cc, wc = c[:, b0:b1], w[:, b0:b1]  # [J, Bc, m]
+            cc.copy_(torch.softmax(logits[:, b0:b1], dim=-1))  # [J, Bc, m]
+            torch.mul(cc, at[:, b0:b1].unsqueeze(-1), out=wc)  # [J, Bc, m]: c_ij a_i
+            total[b0:b1] = wc.sum(0)  # [Bc, m]
+            wc.div_(total[b0:b1] + SELF_ROUTING_EPS)  # [J, Bc, m]
         r = torch.reciprocal(total + SELF_ROUTING_EPS)  # [B, m]
-        w.mul_(r)  # [J, B, m]
         ra = torch.reciprocal(at.sum(0) + SELF_ROUTING_EPS).unsqueeze(-1)  # [B, 1]
         parent = total * ra  # [B, m]
         ctx.save_for_backward(c, at, w, r, ra, total)
@@ -85,16 +103,22 @@ class SelfWeights(torch.autograd.Function):
     ) -> tuple[Tensor | None, Tensor | None]:
         c, at, w, r, ra, total = ctx.saved_tensors
         dt = total.new_zeros(total.shape) if gp is None else gp * ra  # [B, m]
-        if gw is not None:
-            dt.sub_(r * (gw * w).sum(0))  # [B, m]
-            q = torch.addcmul(dt.unsqueeze(0), gw, r.unsqueeze(0))  # [J, B, m]
-        else:
-            q = dt.unsqueeze(0).expand_as(c)  # [J, B, m]
-        da = (c * q).sum(-1)  # [J, B]
-        if gp is not None:
-            da.sub_((gp * total).sum(-1) * ra.squeeze(-1) ** 2)  # [J, B] - [B]
-        dc = q * at.unsqueeze(-1)  # [J, B, m]
-        dlogits = torch._softmax_backward_data(dc, c, -1, c.dtype)  # [J, B, m]
+        da_parent = None if gp is None else (gp * total).sum(-1) * ra.squeeze(-1) ** 2  # [B]
+        dlogits = torch.empty_like(c)  # [J, B, m]
+        da = at.new_empty(at.shape)  # [J, B]
+        for b0, b1 in _site_chunks(c):
+            cc, atc, dtc = c[:, b0:b1], at[:, b0:b1].unsqueeze(-1), dt[b0:b1]  # chunk
+            if gw is not None:
+                gwc = gw[:, b0:b1]  # [J, Bc, m]
+                dtc = dtc - r[b0:b1] * (gwc * w[:, b0:b1]).sum(0)  # [Bc, m]
+                q = torch.addcmul(dtc.unsqueeze(0), gwc, r[b0:b1].unsqueeze(0))  # [J, Bc, m]
+            else:
+                q = dtc.unsqueeze(0).expand_as(cc)  # [J, Bc, m]
+            da[:, b0:b1] = (cc * q).sum(-1)  # [J, Bc]
+            dc = q * atc  # [J, Bc, m]
+            dlogits[:, b0:b1] = torch._softmax_backward_data(dc, cc, -1, cc.dtype)  # [J, Bc, m]
+        if da_parent is not None:
+            da.sub_(da_parent)  # [J, B] - [B]
         return dlogits, da.t()  # [J, B, m], [B, J]
 
 
