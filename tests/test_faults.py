@@ -460,7 +460,9 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
     """Kill a real training process 10 times at random moments; files stay whole; it finishes.
 
     The run is set for far more epochs than ten short lives can train, so all ten kills land
-    whatever the machine's speed; the last resume then shortens it to two more epochs.
+    whatever the machine's speed; the last resume then shortens it to two more epochs. A life
+    killed before any last.safetensors exists is started again with --overwrite, as the error
+    message says (a kill can land between the first best.safetensors and last.safetensors).
     """
     rng = random.Random(1234)
     out = tmp_path / "run"
@@ -469,14 +471,16 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
     for kills in range(10):
         resume = (out / "last.safetensors").exists()
         proc = subprocess.Popen(
-            _cmd(out, True) if resume else first,
+            _cmd(out, True) if resume else [*first, "--overwrite"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=_env(),
         )
         time.sleep(rng.uniform(2.0, 6.0))
-        assert proc.poll() is None, f"the run ended before kill {kills + 1}"
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            pytest.fail(f"the run ended before kill {kills + 1} (exit {proc.returncode}): {err}")
         proc.kill()
         proc.wait()
         if out.exists():

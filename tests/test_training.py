@@ -125,6 +125,18 @@ def test_out_dir_holding_a_run_is_refused(tmp_path: Path) -> None:
     fit(tiny_preset(epochs=1), tmp_path, overwrite=True)
 
 
+def test_out_dir_killed_before_its_first_checkpoint_says_overwrite(tmp_path: Path) -> None:
+    """A run killed between writing best.safetensors and last.safetensors of its first epoch
+    cannot be resumed: the message must not point at a last.safetensors that is not there."""
+    fit(tiny_preset(epochs=1), tmp_path)
+    (tmp_path / LAST).unlink()
+    with pytest.raises(UsageError, match="--overwrite") as info:
+        fit(tiny_preset(epochs=1), tmp_path)
+    assert "--resume" not in str(info.value) and "no last.safetensors" in str(info.value)
+    fit(tiny_preset(epochs=1), tmp_path, overwrite=True)
+    assert (tmp_path / LAST).exists()
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,16 +12,15 @@ standardization, routing conv windows separately) are knobs, off by default.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
-from capsctl.layers.baseline_capsules import BaselineCapsules, window_sites
+from capsctl.layers.baseline_capsules import BaselineCapsules
 from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
+from capsctl.layers.em_windows import WindowGrid, softmax_over_parents
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE
 
@@ -54,83 +53,6 @@ def em_inverse_temperature(final_lambda: float, t: int) -> float:
     schedule of the authors' implementation (capsule_em/em_layers.py); the paper only says
     that lambda follows a fixed schedule."""
     return final_lambda * (1.0 - EM_LAMBDA_DECAY ** (t + 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowGrid:
-    """Where the ``J = k*k*n`` entries of every conv site come from: child grid
-    ``[b, H, W, n]``, sites ``[b, h, w]``, kernel ``k``, stride. Gathers, for every entry, a
-    reduction over all entries of the same child (every window it falls in)."""
-
-    batch: int
-    height: int
-    width: int
-    types: int
-    out_height: int
-    out_width: int
-    kernel: int
-    stride: int
-
-    @classmethod
-    def of(cls, child_act: Tensor, kernel: int, stride: int) -> WindowGrid:
-        """From the child activations ``[b, H, W, n]``."""
-        b, hh, ww, n = child_act.shape
-        ho, wo = (hh - kernel) // stride + 1, (ww - kernel) // stride + 1
-        return cls(b, hh, ww, n, ho, wo, kernel, stride)
-
-    def sum_overwindow_sites(self, x: Tensor) -> Tensor:
-        """``x[B, J]`` -> ``[B, J]``: every entry becomes the sum of its child's entries."""
-        b, h, w, k, n = self.batch, self.out_height, self.out_width, self.kernel, self.types
-        cols = x.reshape(b, h, w, k, k, n).permute(0, 5, 3, 4, 1, 2)  # [b, n, k, l, h, w]
-        cols = cols.reshape(b, n * k * k, h * w)  # [b, (n, k, l), (h, w)]
-        grid = F.fold(
-            cols, (self.height, self.width), kernel_size=k, stride=self.stride
-        )  # [b, n, H, W]
-        return window_sites(grid.permute(0, 2, 3, 1), k, self.stride)[0]  # [B, J]
-
-    def max_overwindow_sites(self, x: Tensor) -> Tensor:
-        """``x[B, J]`` -> ``[B, J]``: every entry becomes the max of its child's entries (no
-        gradient)."""
-        b, h, w, k, n, s = (
-            self.batch,
-            self.out_height,
-            self.out_width,
-            self.kernel,
-            self.types,
-            self.stride,
-        )
-        with torch.no_grad():
-            win = x.reshape(b, h, w, k, k, n)  # [b, h, w, k, l, n]
-            grid = x.new_full((b, self.height, self.width, n), -math.inf)  # [b, H, W, n]
-            for ky in range(k):
-                for kx in range(k):
-                    part = grid[:, ky : ky + s * (h - 1) + 1 : s, kx : kx + s * (w - 1) + 1 : s]
-                    part.copy_(torch.maximum(part, win[:, :, :, ky, kx]))  # [b, h, w, n]
-            return window_sites(grid, k, s)[0]  # [B, J]
-
-
-class _SoftmaxOverParents(torch.autograd.Function):
-    """``z[B, m, J]`` -> ``R = exp(z) / sum exp(z)``, the sum over every entry of the same
-    child (all windows it falls in, all parent types): a softmax over all the parents each
-    child votes for. Stabilized by each child's maximum. Saves only ``R`` for the backward
-    (``dz = R * (g - sum_child R g)``), as ``torch.softmax`` does."""
-
-    @staticmethod
-    def forward(ctx, z: Tensor, grid: WindowGrid) -> Tensor:  # type: ignore[override]
-        top = grid.max_overwindow_sites(z.amax(1))  # [B, J]
-        r = torch.exp(z - top.unsqueeze(1))  # [B, m, J]
-        r = r / grid.sum_overwindow_sites(r.sum(1)).unsqueeze(1)  # [B, m, J]
-        ctx.save_for_backward(r)
-        ctx.grid = grid
-        return r
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        (r,) = ctx.saved_tensors
-        rg = r * grad  # [B, m, J]
-        total = ctx.grid.sum_overwindow_sites(rg.sum(1))  # [B, J]
-        return rg - r * total.unsqueeze(1), None  # [B, m, J]
 
 
 def em_routing(
@@ -243,7 +165,7 @@ def _e_step(maha: Tensor, log_var: Tensor, pre: Tensor, grid: WindowGrid | None)
     log_ap = F.logsigmoid(pre).unsqueeze(-1) - 0.5 * maha - log_norm  # [B, m, J]
     if grid is None:
         return torch.softmax(log_ap, dim=1)  # [B, m, J]
-    return _SoftmaxOverParents.apply(log_ap, grid)  # [B, m, J]
+    return softmax_over_parents(log_ap, grid)  # [B, m, J]
 
 
 def em_routing_chunked(

@@ -393,4 +393,3 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
         return s, r
     with torch.no_grad():
         return _chunked_forward(x, w, p, scale)
-

@@ -51,6 +51,11 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
         raise UsageError(f"--out {out}: exists and is not a folder; choose another path")
     holds_run = out.is_dir() and any((out / f).exists() for f in (LAST, BEST, METRICS))
     if holds_run and not (resume or overwrite):
+        if not (out / LAST).exists():  # killed between its first best and last checkpoints
+            raise UsageError(
+                f"--out {out}: already holds a run with no {LAST} to resume from; pass "
+                "--overwrite to start it again, or choose another --out"
+            )
         raise UsageError(
             f"--out {out}: already holds a run; pass --resume {out / LAST} to continue it, "
             "--overwrite to replace it, or choose another --out"
