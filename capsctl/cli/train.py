@@ -19,6 +19,14 @@ def train_cmd(
         str | None, typer.Option("--preset", "-p", help="Preset name or YAML file.")
     ] = None,
     epochs: Annotated[int | None, typer.Option(help="Number of epochs.")] = None,
+    time_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--time-limit",
+            help="Wall-time budget of the whole run, e.g. 30m, 1.5h or 1800 (seconds): the LR "
+            "schedule is fitted to it and training stops in time for the final test.",
+        ),
+    ] = None,
     batch_size: Annotated[
         int | None, typer.Option("--batch-size", "-b", help="Training batch size.")
     ] = None,
@@ -81,6 +89,7 @@ def train_cmd(
             overwrite=overwrite,
             on_event=progress,
             epochs=epochs,
+            time_limit=time_limit,
             batch_size=batch_size,
             lr=lr,
             device=device,

@@ -46,10 +46,13 @@ def _is_square(n: int) -> bool:
 
 @dataclass
 class AugmentConfig:
-    """Training-time augmentation: random crop with ``crop_padding`` pixels, horizontal flips."""
+    """Training-time augmentation: random crop with ``crop_padding`` pixels, horizontal flips;
+    and at validation and test, ``test_flip``: the outputs on each image and on its mirror
+    image are averaged (test-time augmentation)."""
 
     crop_padding: int = 4
     hflip: bool = True
+    test_flip: bool = False
 
     def validate(self, path: str) -> None:
         """Check value ranges; ``path`` is this object's dotted path."""
@@ -120,7 +123,9 @@ class TrainConfig:
     (Tsai et al., "Capsules with Inverted Dot-Product Attention Routing", ICLR 2020,
     arXiv:2002.04764).
 
-    ``time_limit`` (seconds) stops training after the epoch that crosses it;
+    ``time_limit`` (seconds) is the whole run's wall-time budget: the schedule advances by
+    steps or by the clock, whichever is further, and training stops mid-epoch in time for the
+    final validation and test (capsctl/training/budget.py);
     ``steps_per_epoch`` caps the batches per epoch (smoke tests, quick runs).
     """
 

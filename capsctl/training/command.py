@@ -12,17 +12,39 @@ from capsctl.events import EventFn
 from capsctl.training.resume import load_resume_preset
 from capsctl.training.trainer import FitResult, fit
 
-__all__ = ["flag_overrides", "resolve_run", "train_from_preset"]
+__all__ = ["flag_overrides", "parse_duration", "resolve_run", "train_from_preset"]
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Seconds of ``text``: a number of seconds, or a number with ``s``, ``m`` or ``h``
+    (``90s``, ``30m``, ``1.5h``); UsageError otherwise."""
+    raw = text.strip().lower()
+    scale = _UNITS.get(raw[-1:])
+    number = raw[:-1] if scale is not None else raw
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise UsageError(
+            f"{what} {text!r}: not a duration; use seconds or a number with s, m or h "
+            "(e.g. 1800, 30m, 1.5h)"
+        )
+    return seconds
 
 
 def flag_overrides(**flags: Any) -> list[str]:
     """Command-line flags as ``--set`` overrides (None and False mean "not given").
 
-    Keys: ``epochs``, ``batch_size``, ``lr``, ``device``, ``data_dir``, ``seed``,
-    ``deterministic``, ``amp``, ``compile``.
+    Keys: ``epochs``, ``time_limit`` (a duration: ``1800``, ``90s``, ``30m``, ``1.5h``),
+    ``batch_size``, ``lr``, ``device``, ``data_dir``, ``seed``, ``deterministic``, ``amp``,
+    ``compile``.
     """
     paths = {
         "epochs": "train.epochs",
+        "time_limit": "train.time_limit",
         "batch_size": "train.batch_size",
         "lr": "train.lr",
         "device": "train.device",
@@ -40,6 +62,8 @@ def flag_overrides(**flags: Any) -> list[str]:
         value = flags.get(key)
         if value is None or value is False:
             continue
+        if key == "time_limit":
+            value = parse_duration(str(value), "--time-limit")
         text = "true" if value is True else str(value)
         out.append(f"{path}={text}")
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -31,8 +32,9 @@ def make_optimizer(model: nn.Module, preset: Preset) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
 
 
-def lr_factor(preset: Preset, step: int, steps_per_epoch: int) -> float:
-    """Multiplier of the base LR at global optimizer step ``step`` (0-based).
+def lr_factor(preset: Preset, step: float, steps_per_epoch: int) -> float:
+    """Multiplier of the base LR at global optimizer step ``step`` (0-based; fractional when a
+    time budget moves the schedule ahead of the steps).
 
     Linear warmup over ``warmup_epochs``, then: ``multistep`` (x gamma at each milestone epoch),
     ``cosine`` (to 0 at the end), ``onecycle`` (warmup from lr/25 over 30% of training unless
@@ -97,10 +99,15 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def make_scheduler(
-    optimizer: torch.optim.Optimizer, preset: Preset, steps_per_epoch: int
+    optimizer: torch.optim.Optimizer,
+    preset: Preset,
+    steps_per_epoch: int,
+    position: Callable[[int], float] | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A per-step scheduler following :func:`lr_factor` (its state is JSON-able: LambdaLR stores
-    plain functions as None)."""
+    plain functions as None). ``position`` maps the optimizer step to the schedule's position
+    in steps (a time budget moves it ahead; :mod:`capsctl.training.budget`)."""
+    where = position if position is not None else float
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(preset, step, steps_per_epoch)
+        optimizer, lambda step: lr_factor(preset, where(step), steps_per_epoch)
     )

@@ -30,6 +30,7 @@ from capsctl.errors import CheckpointError, ConfigError
 from capsctl.events import EventFn, emit
 from capsctl.losses import eval_loss, make_loss
 from capsctl.models import build_model_from_config, parameter_counts
+from capsctl.training.budget import TimeBudget
 from capsctl.training.distributed import Distributed
 from capsctl.training.interrupt import Interrupted
 from capsctl.training.recipe import EMA, make_optimizer, make_scheduler, seed_everything
@@ -146,12 +147,16 @@ class RunSetUp:
                 f"({len(data.train)})"
             )
         self.steps_per_epoch = min(steps, t.steps_per_epoch) if t.steps_per_epoch else steps
-        self.scheduler = make_scheduler(self.optimizer, self.preset, self.steps_per_epoch)
+        self.total_steps = max(1, t.epochs * self.steps_per_epoch)
+        after_last_step = (len(data.val) if data.val is not None else 0) + len(data.test)
+        self.budget = TimeBudget(t.time_limit, self.total_steps, after_last_step, self.t_start)
+        self.scheduler = make_scheduler(
+            self.optimizer, self.preset, self.steps_per_epoch, self.budget.progress_steps
+        )
         self.ema = EMA(self.model, t.ema_decay) if t.ema_decay else None
         multi_label = data.train.labels.dim() == 2
         self.loss_fn = make_loss(self.preset, multi_label, len(data.classes))
         self.own_loss = eval_loss(self.preset, multi_label, len(data.classes))
-        self.total_steps = max(1, t.epochs * self.steps_per_epoch)
         step_fn: nn.Module = dist.wrap(self.model)
         self.step_fn = torch.compile(step_fn) if t.compile else step_fn
 
@@ -175,6 +180,7 @@ class RunSetUp:
             if ema_state is not None:
                 self.ema.load_state_dict(ema_state)
         restore_rng_state(rng)
+        self.budget.before = float(meta.get("elapsed", 0.0))
         self.start_epoch = int(meta.get("epoch", 0))
         self.partial = meta.get("partial")
         best = meta.get("best") or {}

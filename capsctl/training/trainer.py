@@ -123,7 +123,8 @@ class Trainer(RunSetUp):
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self, flag: dict[str, bool]) -> FitResult:
-        """Epochs until the last, the time limit or Ctrl-C; then the final test."""
+        """Epochs until the last, the time limit (mid-epoch; :mod:`capsctl.training.budget`)
+        or Ctrl-C; then the final test."""
         interrupted_in: int | None = None
         with self.tensorboard or contextlib.nullcontext():
             for epoch in range(self.start_epoch, self.t.epochs):
@@ -156,15 +157,21 @@ class Trainer(RunSetUp):
         resumed = self.partial if epoch == self.start_epoch else None
         stats = _EpochStats.start(self.device, resumed)
         skip = int(resumed["step"]) if resumed else 0
+        out_of_time = False
         for step, (x, y) in enumerate(self.loader):
             if step >= self.steps_per_epoch:
                 break
             if step < skip:
                 continue  # done before the interruption; the loader's order is f(seed, epoch)
+            t_step = time.perf_counter()
             self._train_step(epoch, step, x, y, stats, flag, t0)
+            self.budget.note_train(int(y.shape[0]), time.perf_counter() - t_step)
             if flag["stop"]:
                 self._save_mid_epoch(epoch, step + 1, stats)
                 return None
+            if self.t.time_limit is not None and self.dist.any_flags(self.budget.spent())[0]:
+                out_of_time = True  # the epoch ends here: validation, checkpoints, test
+                break
         train_time = time.perf_counter() - t0
         loss_sum, correct, seen = self.dist.sum_stats(stats.loss_sum, stats.correct, stats.seen)
         return {
@@ -174,6 +181,7 @@ class Trainer(RunSetUp):
             "lr": self.optimizer.param_groups[0]["lr"],
             "epoch_seconds": train_time,
             "images_per_s": seen / max(train_time, 1e-9),
+            **({"time_limit": True} if out_of_time else {}),
         }
 
     def _train_step(
@@ -191,7 +199,7 @@ class Trainer(RunSetUp):
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(self.device, t.amp):
             logits = self.step_fn(x)
-            progress = (epoch * self.steps_per_epoch + step) / self.total_steps
+            progress = self.budget.progress(epoch * self.steps_per_epoch + step)
             loss = self.loss_fn(logits.float(), y, progress)
         # with several processes, every rank learns of a bad loss or a Ctrl-C at once
         bad, flag["stop"] = self.dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
@@ -248,15 +256,15 @@ class Trainer(RunSetUp):
     # -- end of an epoch -----------------------------------------------------------------------
 
     def end_epoch(self, record: dict[str, Any]) -> bool:
-        """Validation, checkpoints and the metrics line; True when the time limit is reached."""
+        """Validation, checkpoints and the metrics line; True when the time limit is reached
+        (in this epoch or at its end)."""
         if self.dist.is_main:
             self._validate_and_save(record)
         else:
             self.history.append(record)
         self.dist.barrier()
-        limit = self.t.time_limit
-        over_time = limit is not None and time.perf_counter() - self.t_start > limit
-        if self.dist.any_flags(over_time)[0]:
+        over_time = bool(record.get("time_limit")) or self.budget.spent()
+        if self.t.time_limit is not None and self.dist.any_flags(over_time)[0]:
             emit(self.on_event, "time_limit", epoch=record["epoch"])
             return True
         return False
@@ -265,7 +273,9 @@ class Trainer(RunSetUp):
         """Main process: validation, best/last checkpoints and the metrics line."""
         data = self.data
         if data.val is not None:
+            t0 = time.perf_counter()
             ev = self._evaluate(self.eval_model(), data.val, "val")
+            self.budget.note_eval(len(data.val), time.perf_counter() - t0)
             record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
             improved = ev.accuracy > self.best_acc
         else:
@@ -307,6 +317,7 @@ class Trainer(RunSetUp):
             split=split,
             amp=self.t.amp,
             loss=self.own_loss,
+            flip=self.preset.data.augment.test_flip,
         )
 
     def save_last(
@@ -326,6 +337,7 @@ class Trainer(RunSetUp):
             "epoch": epoch,
             "metrics": metrics,
             "kind": "last",
+            "elapsed": self.budget.elapsed(),
             "best": {"epoch": self.best_epoch, "val_accuracy": best_acc},
             **state_meta,
             **(extra or {}),
