@@ -41,6 +41,7 @@ class EvalResult:
     seconds: float
     metric: str = "top-1"
     loss_name: str = "cross_entropy"  # the model's own training loss: cross_entropy, bce, ...
+    flip: bool = False  # outputs averaged with those on the mirror images
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -123,9 +124,12 @@ def evaluate(
     split: str = "test",
     amp: bool = False,
     loss: EvalLoss | None = None,
+    flip: bool = False,
     on_event: EventFn = None,
 ) -> EvalResult:
     """Accuracy, top-5, the loss, per-class accuracy and the confusion matrix over ``ds``.
+
+    ``flip``: the outputs on each image and on its left-right mirror are averaged.
 
     ``loss`` is the model's own loss as ``(name, fn(outputs, labels) -> batch mean)`` (see
     :func:`capsctl.losses.eval_loss`); by default cross-entropy, or binary cross-entropy for
@@ -143,6 +147,8 @@ def evaluate(
     for step, (x, y) in enumerate(loader):
         with autocast(device, amp):
             logits = model(x)
+            if flip:
+                logits = (logits.float() + model(x.flip(-1)).float()) / 2  # [b, classes]
         logits = logits.float()
         loss_sum += float(loss_fn(logits, y)) * int(y.shape[0])
         tally.add(logits, y)
@@ -161,6 +167,7 @@ def evaluate(
         seconds=seconds,
         metric=tally.metric,
         loss_name=loss_name,
+        flip=flip,
         **tally.summary(count),
     )
 
@@ -213,6 +220,7 @@ def evaluate_checkpoint(
         classes=data.classes,
         split=split,
         loss=eval_loss(preset, ds.labels.dim() == 2, len(data.classes)),
+        flip=preset.data.augment.test_flip,
         on_event=on_event,
     )
     return result, meta

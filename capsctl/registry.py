@@ -108,6 +108,28 @@ for _bb, _suffix in (("resnet", ""), ("simple", "-simple")):
     )
 
 
+def _caps10_fast(arch: str = "capsnet") -> ModelConfig:
+    """Primary capsules (32 types, 4x4 poses) on the fast backbone's 4x4 grid route straight
+    to the class capsules: 512 children, 10 parents."""
+    return ModelConfig(
+        arch=arch,  # type: ignore[arg-type]
+        num_classes=10,
+        backbone="fast",
+        primary_dim=16,
+        router=_ROUTERS["idpa"],
+    )
+
+
+register(
+    "cifar10-caps-fast",
+    "CIFAR-10 capsule net for time-budgeted training: fast backbone, primary 32x16 on 4x4, "
+    "class capsules, T=2 concurrent",
+)(_caps10_fast)
+register("cifar10-cnn-fast", "CNN as wide as cifar10-caps-fast (fast backbone)")(
+    lambda: _caps10_fast("cnn")
+)
+
+
 @register("resnet18", "ResNet-18 with the CIFAR stem (3x3 stride-1 conv, no max-pool)")
 def _resnet18() -> ModelConfig:
     return ModelConfig(arch="resnet18", num_classes=10)

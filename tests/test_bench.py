@@ -130,6 +130,40 @@ def test_routing_override_reaches_the_model(monkeypatch: pytest.MonkeyPatch) -> 
     assert (rows[1].iterations, rows[1].routing) == (None, None)
 
 
+def test_amp_and_channels_last_reach_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``amp`` every forward pass runs in bf16 autocast, with ``channels_last`` the input
+    arrives in that layout; the rows say how they were measured."""
+    seen: list[tuple[bool, bool]] = []
+    original = CapsNet.forward
+
+    def spy(self: CapsNet, x: torch.Tensor, *args: object, **kwargs: object):  # noqa: ANN202
+        autocast_on = torch.is_autocast_enabled("cpu")
+        last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        seen.append((autocast_on, last))
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(CapsNet, "forward", spy)
+    rgb = tiny(in_channels=3)
+    (row,) = run_bench([rgb], amp=True, channels_last=True, **{**FAST, "batch_size": 3})
+    assert seen and set(seen) == {(True, True)}
+    assert row.amp and row.channels_last and not row.compiled
+    seen.clear()
+    (plain,) = run_bench([rgb], **{**FAST, "batch_size": 3})
+    assert set(seen) == {(False, False)} and not plain.amp and not plain.channels_last
+
+
+def test_compile_times_the_compiled_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled: list[nn.Module] = []
+
+    def fake_compile(model: nn.Module) -> nn.Module:
+        compiled.append(model)
+        return model
+
+    monkeypatch.setattr(measure.torch, "compile", fake_compile)
+    (row,) = run_bench([tiny()], compile=True, batch_size=2, iters=1, warmup=1)
+    assert len(compiled) == 1 and isinstance(compiled[0], CapsNet) and row.compiled
+
+
 def test_no_override_keeps_config_routing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     monkeypatch.setattr(CapsNet, "set_routing", lambda self, *a, **k: calls.append(a))
@@ -191,6 +225,7 @@ def test_unavailable_mps_is_usage_error() -> None:
         dict(iterations=0),
         dict(routing="parallel"),
         dict(threads=0),
+        dict(compile=True),  # compiling happens in the warm-up steps: FAST has none
     ],
 )
 def test_bad_arguments_are_usage_errors(kwargs: dict) -> None:

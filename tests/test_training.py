@@ -502,3 +502,27 @@ def test_run_folder_gets_curves_and_tensorboard_events(tmp_path: Path) -> None:
     p.log.tensorboard, p.log.curves = False, False
     fit(p, run, overwrite=True, handle_sigint=False)
     assert not (run / "curves.png").exists() and not list(run.glob("events.out.tfevents.*"))
+
+
+def test_test_flip_averages_the_outputs_on_each_image_and_its_mirror() -> None:
+    """Images bright on the left: the model says class 0 (score 1 vs 0), and on the mirror
+    image class 1 (0 vs 2); the average (0.5 vs 1) says class 1, the label."""
+    from capsctl.data import ArrayDataset
+    from capsctl.evaluation import evaluate
+
+    class LeftRight(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = x.shape[-1] // 2
+            left, right = x[..., :w].mean((1, 2, 3)), x[..., w:].mean((1, 2, 3))
+            return torch.stack([left, 2 * right], 1)  # [b, 2]
+
+    images = torch.zeros(4, 1, 4, 4, dtype=torch.uint8)
+    images[..., :2] = 255
+    ds = ArrayDataset(images, torch.ones(4, dtype=torch.long), ["a", "b"], "halves")
+    kwargs = dict(batch_size=2, device=torch.device("cpu"), mean=[0.0], std=[1.0])
+    plain = evaluate(LeftRight(), ds, classes=["a", "b"], **kwargs)
+    flipped = evaluate(LeftRight(), ds, classes=["a", "b"], flip=True, **kwargs)
+    assert plain.accuracy == 0.0 and not plain.flip
+    assert flipped.accuracy == 1.0 and flipped.flip
+    expected = torch.nn.functional.cross_entropy(torch.tensor([[0.5, 1.0]]), torch.tensor([1]))
+    assert flipped.loss == pytest.approx(float(expected))

@@ -9,6 +9,7 @@ tensors only, not the CUDA context, on cuda, else None).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from capsctl.bench.memory import RssSampler, release_memory
 from capsctl.bench.results import BenchRow, add_ratios
 from capsctl.config import build_model, resolve_config
-from capsctl.devices import resolve_device
+from capsctl.devices import autocast, resolve_device
 from capsctl.errors import UsageError
 from capsctl.events import EventFn, emit
 from capsctl.models import parameter_counts
@@ -47,6 +48,9 @@ class _Settings:
     iterations: int | None
     routing: str | None
     seed: int
+    amp: bool = False
+    channels_last: bool = False
+    compile: bool = False
 
 
 def run_bench(
@@ -62,6 +66,9 @@ def run_bench(
     routing: str | None = None,
     threads: int | None = None,
     seed: int = 0,
+    amp: bool = False,
+    channels_last: bool = False,
+    compile: bool = False,
     on_event: EventFn = None,
 ) -> list[BenchRow]:
     """Measure ``models`` one after another in this process and return one row per model.
@@ -74,7 +81,10 @@ def run_bench(
     ``iterations``/``routing`` override the routing of capsule models (via ``set_routing``) and
     are ignored for the others. ``device``: cpu, cuda[:N], mps or auto. ``threads`` calls
     ``torch.set_num_threads`` (process-wide, left in place). ``seed`` fixes weights, inputs and
-    labels (the global RNG state is restored afterwards). Speed ratios are relative to
+    labels (the global RNG state is restored afterwards). ``amp`` runs forward passes under bf16
+    autocast, ``channels_last`` puts model and inputs in that memory format, ``compile`` times
+    ``torch.compile(model)`` (compilation happens in the warm-up steps, so give at least one;
+    the ratios then compare compiled models). Speed ratios are relative to
     ``resnet18`` when it is among the models (:func:`capsctl.bench.results.add_ratios`).
 
     Events: ``{"event": "bench_model", "name", "step", "steps"}`` before each model (``step``
@@ -82,6 +92,7 @@ def run_bench(
     "warmup"}`` after every timed or warm-up step (``step`` counts from 1 to warmup + iters).
     """
     settings = _Settings(batch_size, iters, warmup, train, infer, iterations, routing, seed)
+    settings = dataclasses.replace(settings, amp=amp, channels_last=channels_last, compile=compile)
     _check_settings(settings, threads)
     dev = resolve_device(device)
     specs = [_label_and_config(m) for m in models]
@@ -110,6 +121,8 @@ def _check_settings(s: _Settings, threads: int | None) -> None:
         raise UsageError(f"unknown routing {s.routing!r}; use {' or '.join(ROUTING_MODES)}")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
+    if s.compile and s.warmup < 1:
+        raise UsageError("--compile needs --warmup >= 1: compilation happens in the warm-up steps")
 
 
 def _label_and_config(spec: ModelSpec) -> tuple[str, ModelConfig]:
@@ -166,10 +179,15 @@ def _measure(
         y = torch.randint(0, cfg.num_classes, (s.batch_size,), generator=gen)
         model.to(dev)
         x, y = x.to(dev), y.to(dev)
+        if s.channels_last:
+            model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
         caps_iterations, caps_routing = _apply_routing(model, s.iterations, s.routing)
+        run: nn.Module = torch.compile(model) if s.compile else model  # type: ignore[assignment]
         timer = _Timer(dev, label, s.warmup, s.iters, on_event)
-        train_s = _time_training(model, x, y, timer) if s.train else []
-        infer_s = _time_inference(model, x, timer) if s.infer else []
+        with autocast(dev, s.amp):
+            train_s = _time_training(run, x, y, timer) if s.train else []
+            infer_s = _time_inference(run, x, timer) if s.infer else []
 
     infer_median = statistics.median(infer_s) if infer_s else None
     return BenchRow(
@@ -186,6 +204,9 @@ def _measure(
         peak_rss_bytes=None,
         peak_device_bytes=None,
         input_size=cfg.input_size,
+        amp=s.amp,
+        channels_last=s.channels_last,
+        compiled=s.compile,
     )
 
 
@@ -241,7 +262,7 @@ def _time_training(model: nn.Module, x: Tensor, y: Tensor, timer: _Timer) -> lis
 
     def train_step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x).float(), y)
         loss.backward()
         opt.step()
 

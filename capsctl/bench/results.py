@@ -41,6 +41,9 @@ class BenchRow:
     train_ratio: float | None = None  # train_step_s / resnet18's (same run)
     infer_ratio: float | None = None  # resnet18's images/s / this model's images/s
     input_size: int | None = None  # side of the square input images
+    amp: bool = False  # forward passes under bf16 autocast
+    channels_last: bool = False  # model and inputs in channels_last memory format
+    compiled: bool = False  # timed torch.compile(model)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

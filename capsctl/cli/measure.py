@@ -27,6 +27,13 @@ def bench_cmd(
         str | None, typer.Option(help="Override routing: concurrent or sequential.")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+    amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
+    channels_last: Annotated[
+        bool, typer.Option("--channels-last", help="channels_last memory format.")
+    ] = False,
+    compile_: Annotated[
+        bool, typer.Option("--compile", help="Time torch.compile(model) (compiles in warm-up).")
+    ] = False,
     json_out: JsonOpt = False,
     csv_out: Annotated[
         bool,
@@ -58,6 +65,9 @@ def bench_cmd(
             iterations=iterations,
             routing=routing,
             threads=threads,
+            amp=amp,
+            channels_last=channels_last,
+            compile=compile_,
             on_event=on_event,
         )
     if json_out:

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from capsctl.layers.chunks import chunk_bytes
+
 # Bytes of votes per chunk of parent sites (the chunk's buffers are about four times this).
 EM_CHUNK_BYTES = 4 * 2**20
 
@@ -50,10 +52,11 @@ def em_chunk_sites(sites: int) -> Iterator[None]:
         _CHUNK["sites"] = before
 
 
-def _chunk_sites(bsz: int, per_site: int) -> int:
-    """Sites per chunk: the override, else as many as ``EM_CHUNK_BYTES`` of votes hold, in
-    chunks of equal size (no short last one)."""
-    bc = _CHUNK["sites"] or max(1, EM_CHUNK_BYTES // max(1, per_site))
+def _chunk_sites(bsz: int, per_site: int, budget: int = EM_CHUNK_BYTES) -> int:
+    """Sites per chunk: the override, else as many as ``budget`` bytes of votes hold
+    (``EM_CHUNK_BYTES`` on a CPU; capsctl/layers/chunks.py), in chunks of equal size (no short
+    last one)."""
+    bc = _CHUNK["sites"] or max(1, budget // max(1, per_site))
     bc = max(1, min(bsz, bc))
     return -(-bsz // -(-bsz // bc))
 
@@ -82,7 +85,8 @@ class _Votes:
         self.x, self.wc, self.shift = x, wc, shift  # [J, B, a, x], [J, x, c*m], [B, d, m]
         self.j, self.a = j, a
         self.d, self.m = shift.shape[1], shift.shape[2]
-        self.bc = _chunk_sites(bsz, j * self.d * self.m * x.element_size())
+        per_site = j * self.d * self.m * x.element_size()
+        self.bc = _chunk_sites(bsz, per_site, chunk_bytes(x, EM_CHUNK_BYTES))
         n = j * self.bc * self.d * self.m
         self.ubuf = x.new_empty(2 * n)
         self.tbuf = x.new_empty(2 * n)

@@ -54,25 +54,26 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from capsctl.layers.chunks import chunk_bytes
 from capsctl.layers.flops import add_routing_flops
 
-# Bytes of vote chunk per step; chosen so that the chunk stays in the last-level cache.
+# Bytes of vote chunk per step on a CPU, to stay in the last-level cache (accelerators: chunks.py).
 CHUNK_BYTES = 2 * 2**20
 
 
 def _tiles(
-    j: int, bsz: int, m: int, d: int, itemsize: int, sites: int | None = None
+    j: int, bsz: int, m: int, d: int, itemsize: int, sites: int | None = None, budget: int = 0
 ) -> tuple[int, int]:
-    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``CHUNK_BYTES``
-    (``sites``: ``Bc`` given, for tests).
+    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``budget`` bytes
+    (0: ``CHUNK_BYTES``; capsctl/layers/chunks.py); ``sites``: ``Bc`` given, for tests.
 
     Whole rows of sites come first: the votes of one child at many sites are one tall matrix
     product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
     """
-    per_site = max(1, m * d * itemsize)
-    bc = max(1, min(bsz, sites or CHUNK_BYTES // per_site))
+    per_site, budget = max(1, m * d * itemsize), budget or CHUNK_BYTES
+    bc = max(1, min(bsz, sites or budget // per_site))
     bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
-    jc = max(1, min(j, CHUNK_BYTES // (per_site * bc)))
+    jc = max(1, min(j, budget // (per_site * bc)))
     return jc, bc
 
 
@@ -183,7 +184,7 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     pq = _site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size())
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=chunk_bytes(x, CHUNK_BYTES))
     buf = _Chunk(x, jc, bc, a, d, m)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
     for b0 in range(0, bsz, bc):
@@ -296,7 +297,7 @@ def _chunked_backward(
     x, wc = _prepare(x, w)
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size())
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=chunk_bytes(x, CHUNK_BYTES))
     buf = _Chunk(x, jc, bc, a, d, m)
     acc = _Gradients(x, wc, d, m, bc, jc, needs)
     # per-child operands split once (one call each, not one slice per tile)

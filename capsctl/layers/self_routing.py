@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from capsctl.layers.baseline_capsules import BaselineCapsules
+from capsctl.layers.chunks import chunk_bytes
 from capsctl.layers.routing import _DENSE
 from capsctl.layers.weighted_pass import weighted_pass
 
@@ -62,7 +63,8 @@ SELF_WEIGHTS_CHUNK_BYTES = 2**20
 def _site_chunks(like: Tensor) -> list[tuple[int, int]]:
     """Equal chunks of the sites ``B`` of ``like[J, B, m]``, ``SELF_WEIGHTS_CHUNK_BYTES`` each."""
     j, bsz, m = like.shape
-    bc = max(1, min(bsz, SELF_WEIGHTS_CHUNK_BYTES // max(1, j * m * like.element_size())))
+    budget = chunk_bytes(like, SELF_WEIGHTS_CHUNK_BYTES)
+    bc = max(1, min(bsz, budget // max(1, j * m * like.element_size())))
     bc = -(-bsz // -(-bsz // bc))
     return [(b0, min(bsz, b0 + bc)) for b0 in range(0, bsz, bc)]
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from capsctl.layers.chunks import chunk_bytes
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import (
     _DENSE,
+    CHUNK_BYTES,
     _Chunk,
     _Gradients,
     _parent_major,
@@ -33,7 +35,7 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     d = a * c
     x, wc = _prepare(x, w)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, chunk_bytes(x, CHUNK_BYTES))
     buf = _Chunk(x, jc, bc, a, d, m)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
     for b0 in range(0, bsz, bc):
@@ -54,7 +56,7 @@ def _weighted_backward(
     d = a * c
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, chunk_bytes(x, CHUNK_BYTES))
     buf = _Chunk(x, jc, bc, a, d, m)
     acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]

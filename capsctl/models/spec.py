@@ -16,7 +16,7 @@ from typing import Any, Literal
 from capsctl.layers.poses import PoseKind
 
 Arch = Literal["capsnet", "cnn", "resnet18"]
-Backbone = Literal["simple", "resnet"]
+Backbone = Literal["simple", "resnet", "fast"]
 RoutingMode = Literal["concurrent", "sequential"]
 
 #: The default router: the paper's, inverted dot-product attention, T=2 concurrent.

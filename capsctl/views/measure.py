@@ -33,9 +33,20 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
         if ref:
             row += [fmt_ratio(r.train_ratio), fmt_ratio(r.infer_ratio)]
         body.append(row)
+    first = rows[0]
+    modes = [
+        m
+        for m, on in (
+            ("bf16 autocast", first.amp),
+            ("channels_last", first.channels_last),
+            ("compiled", first.compiled),
+        )
+        if on
+    ]
     title = (
-        f"capsctl bench  device {rows[0].device}  batch {batch_size}  {iters} timed steps  "
+        f"capsctl bench  device {first.device}  batch {batch_size}  {iters} timed steps  "
         f"{torch.get_num_threads()} threads  torch {torch.__version__}"
+        + "".join(f"  {m}" for m in modes)
     )
     out.print(table(title, cols, body, right=(1, 2, 4, 5, 6, 7, 8, 9)))
     note(
