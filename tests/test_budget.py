@@ -107,8 +107,7 @@ def test_a_run_fits_its_schedule_and_its_test_into_the_time_limit(tmp_path: Path
     res = fit(preset, tmp_path / "run", on_event=events.append, handle_sigint=False)
     assert res.seconds <= limit + 2.0, res.seconds  # the test estimate may be off by a little
     assert res.test is not None and res.test.count == 2000
-    last = res.history[-1]
-    assert last["time_limit"] is True
+    last = res.history[-1]  # the budget ran out inside this epoch or right at its end
     assert last["lr"] < 0.05 * 0.02, last["lr"]  # cosine at (nearly) its end
     assert any(e["event"] == "time_limit" for e in events)
     assert json.loads((tmp_path / "run" / "results.json").read_text())["test"] is not None
