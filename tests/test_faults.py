@@ -460,32 +460,43 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path) -> None:
     """Kill a real training process 10 times at random moments; files stay whole; it finishes.
 
     The run is set for far more epochs than ten short lives can train, so all ten kills land
-    whatever the machine's speed; the last resume then shortens it to two more epochs. A life
-    killed before any last.safetensors exists is started again with --overwrite, as the error
-    message says (a kill can land between the first best.safetensors and last.safetensors).
+    whatever the machine's speed; the last resume then shortens it to two more epochs. The first
+    life runs until its first checkpoint and times the start-up (imports, data); each later life
+    is killed at a random moment between 0.5x that start-up and start-up plus 4 s, so the kills
+    fall both in start-up and in training (checkpoint writes included) on a fast or slow machine.
     """
     rng = random.Random(1234)
     out = tmp_path / "run"
     first = _cmd(out, False)
     first[first.index("--epochs") + 1] = "100000"
-    for kills in range(10):
-        resume = (out / "last.safetensors").exists()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        first, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    _wait_for(out / "preset.yaml", proc, seconds=300)
+    startup = time.monotonic() - t0
+    _wait_for(out / "last.safetensors", proc, seconds=300)
+    time.sleep(rng.uniform(0.0, 2.0))
+    proc.kill()
+    proc.wait()
+    _check_final_files(out)
+    for kills in range(1, 10):
+        assert (out / "last.safetensors").exists(), "a kill lost the run's checkpoint"
         proc = subprocess.Popen(
-            _cmd(out, True) if resume else [*first, "--overwrite"],
+            _cmd(out, True),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=_env(),
         )
-        time.sleep(rng.uniform(2.0, 6.0))
+        time.sleep(rng.uniform(0.5 * startup, startup + 4.0))
         if proc.poll() is not None:
             err = proc.stderr.read() if proc.stderr else ""
             pytest.fail(f"the run ended before kill {kills + 1} (exit {proc.returncode}): {err}")
         proc.kill()
         proc.wait()
-        if out.exists():
-            _check_final_files(out)
-    assert (out / "last.safetensors").exists(), "ten lives of 2-6 s never saved a checkpoint"
+        _check_final_files(out)
+    assert (out / "last.safetensors").exists(), "a kill lost the run's checkpoint"
     done = read_metadata(out / "last.safetensors")["epoch"]
     final = done + 2
     res = subprocess.run(
