@@ -52,6 +52,7 @@ def record(epoch: int, scale: float = 1.0, val: bool = True) -> dict[str, Any]:
         "lr": 0.1 * scale / epoch,
         "epoch_seconds": 1.5,
         "images_per_s": 1000.0 * epoch,
+        "forward_seconds": 0.5,
     }
     if val:
         rec.update(
@@ -361,6 +362,7 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
         "lr",
         "speed/images_per_s",
         "speed/epoch_seconds",
+        "time/forward",
     }
     assert got["loss/train"] == [(1, pytest.approx(2.0)), (2, pytest.approx(1.0))]
     assert got["lr"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.05))]

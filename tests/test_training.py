@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,32 @@ def test_fit_writes_a_complete_run(tmp_path: Path) -> None:
     assert not model.training
     # the resolved preset is written beside the run and round-trips
     assert load_preset(str(run / "preset.yaml")).train.steps_per_epoch == 6
+
+
+def test_metrics_line_says_where_the_epoch_went(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seconds per phase of the step in each metrics line: they add up to the epoch's time and
+    a slow loader shows up as data time (0.4 s a batch, 6 batches), not as forward time."""
+    from capsctl.data.loader import Loader
+
+    real = Loader._augment
+
+    def slow_augment(self: Loader, *a: object) -> torch.Tensor:
+        time.sleep(0.4)
+        return real(self, *a)
+
+    monkeypatch.setattr(Loader, "_augment", slow_augment)
+    fit(tiny_preset(epochs=1), tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / METRICS).read_text().splitlines()]
+    assert len(lines) == 1
+    for rec in lines:
+        parts = [rec[f"{p}_seconds"] for p in ("data", "forward", "backward", "optimizer", "other")]
+        assert min(parts) >= 0.0 and rec["forward_seconds"] > 0 and rec["backward_seconds"] > 0
+        assert sum(parts) == pytest.approx(rec["epoch_seconds"], rel=0.05, abs=0.01)
+        assert rec["data_seconds"] >= 6 * 0.4
+        assert rec["forward_seconds"] < 6 * 0.4
+        assert rec["val_seconds"] > 0
 
 
 def test_resume_after_epoch_one_matches_uninterrupted_run(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """Reading a run's ``metrics.jsonl``: one JSON object per finished epoch.
 
 A run folder written by ``capsctl train`` holds ``metrics.jsonl`` with ``epoch``,
-``train_loss``, ``train_accuracy``, ``lr``, ``epoch_seconds``, ``images_per_s``, ``best`` and,
-with a validation split, ``val_loss``, ``val_accuracy`` and ``val_top5`` (accuracies are
+``train_loss``, ``train_accuracy``, ``lr``, ``epoch_seconds``, ``images_per_s``, ``best``, the
+epoch's training time by phase (``data_seconds``, ``forward_seconds``, ``backward_seconds``,
+``optimizer_seconds``, ``other_seconds``; capsctl/training/phases.py) and, with a validation
+split, ``val_loss``, ``val_accuracy``, ``val_top5`` and ``val_seconds`` (accuracies are
 fractions). A last line cut short by a kill is skipped.
 """
 

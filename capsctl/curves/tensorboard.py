@@ -21,6 +21,12 @@ TB_TAGS: dict[str, str] = {
     "lr": "lr",
     "images_per_s": "speed/images_per_s",
     "epoch_seconds": "speed/epoch_seconds",
+    "data_seconds": "time/data",
+    "forward_seconds": "time/forward",
+    "backward_seconds": "time/backward",
+    "optimizer_seconds": "time/optimizer",
+    "other_seconds": "time/other",
+    "val_seconds": "time/val",
 }
 
 

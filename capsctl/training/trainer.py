@@ -42,6 +42,7 @@ from capsctl.events import EventFn, emit
 from capsctl.losses import count_correct
 from capsctl.training.distributed import Distributed
 from capsctl.training.interrupt import Interrupted, sigint_as_flag
+from capsctl.training.phases import PhaseClock
 from capsctl.training.setup import RunSetUp
 
 __all__ = ["FitResult", "Interrupted", "Trainer", "fit"]
@@ -158,13 +159,15 @@ class Trainer(RunSetUp):
         stats = _EpochStats.start(self.device, resumed)
         skip = int(resumed["step"]) if resumed else 0
         out_of_time = False
+        clock = PhaseClock()
         for step, (x, y) in enumerate(self.loader):
+            clock.lap("data")
             if step >= self.steps_per_epoch:
                 break
             if step < skip:
                 continue  # done before the interruption; the loader's order is f(seed, epoch)
             t_step = time.perf_counter()
-            self._train_step(epoch, step, x, y, stats, flag, t0)
+            self._train_step(epoch, step, (x, y), stats, flag, t0, clock)
             self.budget.note_train(int(y.shape[0]), time.perf_counter() - t_step)
             if flag["stop"]:
                 self._save_mid_epoch(epoch, step + 1, stats)
@@ -172,6 +175,7 @@ class Trainer(RunSetUp):
             if self.t.time_limit is not None and self.dist.any_flags(self.budget.spent())[0]:
                 out_of_time = True  # the epoch ends here: validation, checkpoints, test
                 break
+            clock.lap("other")
         train_time = time.perf_counter() - t0
         loss_sum, correct, seen = self.dist.sum_stats(stats.loss_sum, stats.correct, stats.seen)
         return {
@@ -181,6 +185,7 @@ class Trainer(RunSetUp):
             "lr": self.optimizer.param_groups[0]["lr"],
             "epoch_seconds": train_time,
             "images_per_s": seen / max(train_time, 1e-9),
+            **clock.record(),
             **({"time_limit": True} if out_of_time else {}),
         }
 
@@ -188,13 +193,13 @@ class Trainer(RunSetUp):
         self,
         epoch: int,
         step: int,
-        x: Tensor,
-        y: Tensor,
+        batch: tuple[Tensor, Tensor],
         stats: _EpochStats,
         flag: dict[str, bool],
         t0: float,
+        clock: PhaseClock,
     ) -> None:
-        t = self.t
+        t, (x, y) = self.t, batch
         if t.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(self.device, t.amp):
@@ -205,14 +210,17 @@ class Trainer(RunSetUp):
         bad, flag["stop"] = self.dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
         if bad:
             self._non_finite(loss, epoch, step)
+        clock.lap("forward")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        clock.lap("backward")
         if t.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.model)
+        clock.lap("optimizer")
         stats.loss_sum += loss.detach() * y.numel()
         stats.correct += count_correct(logits.detach(), y)
         stats.seen += int(y.numel())
@@ -275,8 +283,10 @@ class Trainer(RunSetUp):
         if data.val is not None:
             t0 = time.perf_counter()
             ev = self._evaluate(self.eval_model(), data.val, "val")
-            self.budget.note_eval(len(data.val), time.perf_counter() - t0)
+            val_seconds = time.perf_counter() - t0
+            self.budget.note_eval(len(data.val), val_seconds)
             record.update(val_loss=ev.loss, val_accuracy=ev.accuracy, val_top5=ev.top5)
+            record["val_seconds"] = round(val_seconds, 4)
             improved = ev.accuracy > self.best_acc
         else:
             improved = True
