@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import capsctl.layers.chunks as chunks
 from capsctl.bench import BenchRow, add_ratios, run_bench
+from capsctl.data.synthetic import write_random_cifar10
 from capsctl.training import train_from_preset
 
 BENCH_MODELS = (
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         data_dir = args.data_dir
         if dry and data_dir is None:
-            data_dir = str(_toy_cifar10(Path(tmp) / "data"))
+            data_dir = str(write_random_cifar10(Path(tmp) / "data"))
         report["training"] = training(device, dry, args.minutes, data_dir, Path(tmp))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
@@ -222,18 +222,6 @@ def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"cpu ({torch.get_num_threads()} threads)"
-
-
-def _toy_cifar10(folder: Path) -> Path:
-    """A tiny synthetic CIFAR-10 npz folder (random images) for the dry run."""
-    rng = np.random.default_rng(0)
-    root = folder / "cifar10"
-    root.mkdir(parents=True)
-    for name, n in (("train", 64), ("test", 16)):
-        images = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
-        labels = rng.integers(0, 10, n).astype(np.int64)
-        np.savez(root / f"{name}.npz", images=images, labels=labels)
-    return folder
 
 
 if __name__ == "__main__":

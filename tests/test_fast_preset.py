@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from capsctl import build_model, load_checkpoint
 from capsctl.config import load_preset
+from capsctl.data.synthetic import write_random_cifar10
 from capsctl.models.backbones import build_backbone
 from capsctl.training import train_from_preset
 
@@ -35,21 +35,8 @@ def test_the_cnn_of_equal_widths_shares_the_backbone() -> None:
     assert caps.parameter_counts()["backbone"] == cnn.parameter_counts()["backbone"]
 
 
-def _toy_cifar10(root: Path) -> Path:
-    rng = np.random.default_rng(0)
-    folder = root / "cifar10"
-    folder.mkdir(parents=True)
-    for name, n in (("train", 48), ("test", 20)):
-        np.savez(
-            folder / f"{name}.npz",
-            images=rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
-            labels=rng.integers(0, 10, n).astype(np.int64),
-        )
-    return root
-
-
 def test_a_tiny_run_of_the_preset_trains_tests_and_reloads(tmp_path: Path) -> None:
-    data = _toy_cifar10(tmp_path / "data")
+    data = write_random_cifar10(tmp_path / "data", train=48, test=20)
     res = train_from_preset(
         "cifar10-caps-fast",
         out=tmp_path / "run",
