@@ -28,11 +28,11 @@ import torch
 
 from capsctl.data.synthetic import write_random_cifar10
 from capsctl.training import train_from_preset
+from capsctl.training.phases import PHASES
 
 MODELS = ("resnet18", "cifar10-caps-simple", "cifar10-caps")
 STEPS = {"resnet18": 6, "cifar10-caps": 6}  # timed steps; other models: DEFAULT_STEPS
 DEFAULT_STEPS = 30
-PHASES = ("data", "forward", "backward", "optimizer", "other")
 
 
 def main(argv: list[str] | None = None) -> int:
