@@ -35,6 +35,7 @@ import torch
 import capsctl.layers.chunks as chunks
 from capsctl.bench import BenchRow, add_ratios, run_bench
 from capsctl.data.synthetic import write_random_cifar10
+from capsctl.memory import keep_freed_memory
 from capsctl.training import train_from_preset
 
 BENCH_MODELS = (
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", help="where CIFAR-10 is (default: $CAPSCTL_DATA)")
     ap.add_argument("--json", type=Path, help="write all figures to this file")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # as the capsctl command does
 
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from capsctl.data.synthetic import write_random_cifar10
+from capsctl.memory import keep_freed_memory
 from capsctl.training import train_from_preset
 from capsctl.training.phases import PHASES
 
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on random data (CI)")
     ap.add_argument("--json", type=Path, help="write every figure to this file")
     args = ap.parse_args(argv)
+    keep_freed_memory()  # as the capsctl command does
     steps = {**STEPS, **dict(_pair(s) for s in args.steps)}
     with tempfile.TemporaryDirectory(prefix="capsctl-loop-") as tmp:
         data_dir = args.data_dir

@@ -51,6 +51,9 @@ def _main(
     ] = False,
 ) -> None:
     _state["debug"] = debug or os.environ.get("CAPSCTL_DEBUG", "") not in ("", "0")
+    from capsctl.memory import keep_freed_memory
+
+    keep_freed_memory()  # freed tensors' pages are reused, not faulted in again each step
 
 
 def main(argv: list[str] | None = None) -> None:
