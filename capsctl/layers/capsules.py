@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from capsctl.layers.layout import permute_rows
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routing import routed_pass
 
@@ -247,20 +248,22 @@ class ConvCapsules(CapsuleLayer):
         Run channels-last: the input is one copy of the grid with the pose row moved next to
         the batch (``[b, a, H, W, n, x]``), the output in memory is ``[b, a, h, w, m, c]``, and
         the factor ``1/m`` is folded into the (small) weight. About a quarter faster on a CPU
-        than the same convolution channels-first, which needs a larger copy on each side.
+        than the same convolution channels-first, which needs a larger copy on each side. Both
+        copies move whole pose rows (capsctl/layers/layout.py).
         """
         b, hh, ww, n, _ = child.shape
         a, xd, m, c = self.rows, self.cols_in, self.out_types, self.cols_out
         k = self.kernel
-        inp = child.view(b, hh, ww, n, a, xd).permute(0, 4, 1, 2, 3, 5)  # [b, a, H, W, n, x]
-        inp = inp.reshape(b * a, hh, ww, n * xd).permute(0, 3, 1, 2)  # [b*a, n*x, H, W] (NHWC)
+        inp = child.view(b, hh, ww, n, a, xd)  # [b, H, W, n, a, x]
+        inp = permute_rows(inp, (0, 4, 1, 2, 3, 5))  # [b, a, H, W, n, x]
+        inp = inp.view(b * a, hh, ww, n * xd).permute(0, 3, 1, 2)  # [b*a, n*x, H, W] (NHWC)
         wconv = self.weight.permute(4, 5, 0, 1, 2, 3)  # [m, c, k, l, n, x]
         wconv = wconv.reshape(m * c, k, k, n * xd).permute(0, 3, 1, 2)  # [m*c, n*x, k, l] (NHWC)
         y = F.conv2d(inp, wconv * (1.0 / m), stride=self.stride)  # [b*a, m*c, h, w]
         h, w = y.shape[-2:]
         y = y.permute(0, 2, 3, 1).reshape(b, a, h, w, m, c)  # [b, a, h, w, m, c]
-        y = y.permute(0, 2, 3, 4, 1, 5)  # [b, h, w, m, a, c]
-        return y.reshape(b, h, w, m, self.out_dim)  # [b, h, w, m, d]
+        y = permute_rows(y, (0, 2, 3, 4, 1, 5))  # [b, h, w, m, a, c]
+        return y.view(b, h, w, m, self.out_dim)  # [b, h, w, m, d]
 
     def _windows(self, child: Tensor) -> tuple[Tensor, int, int]:
         """Child poses of every window as ``X[J=(k,l,n), B=(b,h,w), a, x]``."""
