@@ -30,6 +30,7 @@ LAYERS = [
             "capsctl.events",
             "capsctl.devices",
             "capsctl.version",
+            "capsctl.memory",
         ],
     ),
     ("layers", ["capsctl.layers"]),

@@ -50,3 +50,18 @@ def test_gradcheck_in_double() -> None:
 def test_the_last_dim_must_stay_last() -> None:
     with pytest.raises(ValueError, match="last dim"):
         permute_rows(torch.zeros(2, 3, 4), (0, 2, 1))
+
+
+@pytest.mark.parametrize("kind", ["expanded", "strided"])
+def test_a_non_contiguous_gradient_comes_back_the_same(kind: str) -> None:
+    x = torch.randn(2, 3, 3, 5, 4, 4, requires_grad=True)
+    dims = (0, 4, 1, 2, 3, 5)
+    out = permute_rows(x, dims)
+    ref = x.permute(*dims).contiguous()
+    if kind == "expanded":  # every stride 0, as sum()'s gradient is
+        grad = torch.ones(()).expand(ref.shape)
+    else:  # a slice of a wider tensor: rows 16 bytes apart in 32
+        grad = torch.randn(*ref.shape[:-1], 8)[..., :4]
+    (gx,) = torch.autograd.grad(out, x, grad)
+    (rx,) = torch.autograd.grad(ref, x, grad)
+    assert torch.equal(gx, rx)

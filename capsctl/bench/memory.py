@@ -12,12 +12,12 @@ does not count. Without ``/proc`` (macOS, BSD) the value comes from
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import sys
 import threading
-from typing import Any
+
+from capsctl.memory import glibc
 
 __all__ = ["RssSampler", "current_rss_bytes", "release_memory"]
 
@@ -116,18 +116,9 @@ class RssSampler:
             self._fd = None
 
 
-_LIBC: Any = None
-
-
 def release_memory() -> None:
-    """``gc.collect()``, then (glibc, best effort) ``malloc_trim(0)`` to return freed pages."""
-    global _LIBC
+    """``gc.collect()``, then (glibc) ``malloc_trim(0)`` to return freed pages."""
     gc.collect()
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        _LIBC.malloc_trim(0)
-    except (OSError, AttributeError):  # musl or no libc.so.6
-        _LIBC = False
+    lib = glibc()
+    if lib is not None:
+        lib.malloc_trim(0)

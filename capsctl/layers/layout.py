@@ -51,7 +51,7 @@ class _PermuteRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return _copy(grad.contiguous(), ctx.inverse), None
+        return _copy(grad, ctx.inverse), None
 
 
 def permute_rows(t: Tensor, dims: Sequence[int]) -> Tensor:
