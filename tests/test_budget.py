@@ -125,3 +125,30 @@ def test_a_resumed_run_keeps_its_spent_time(tmp_path: Path) -> None:
     assert again.epochs_done == first.epochs_done + 1
     assert again.history[-1]["time_limit"] is True
     assert read_metadata(run / LAST)["elapsed"] > spent
+
+
+def test_a_budget_spent_during_validation_is_marked_in_the_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The epoch's training ends inside the limit, its validation runs past it: the run stops
+    there and that epoch's metrics line says why."""
+    import capsctl.training.trainer as trainer_module
+
+    real = trainer_module.evaluate
+    now = {"offset": 0.0}
+    real_clock = budget_module.time.perf_counter
+
+    def late_evaluate(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)
+        if kwargs.get("split") == "val":
+            now["offset"] += 10_000.0  # this validation took "hours"
+        return result
+
+    monkeypatch.setattr(trainer_module, "evaluate", late_evaluate)
+    monkeypatch.setattr(budget_module.time, "perf_counter", lambda: real_clock() + now["offset"])
+    preset = tiny_preset(epochs=5, time_limit=3600.0)
+    res = fit(preset, tmp_path / "run", handle_sigint=False)
+    assert res.epochs_done == 1
+    assert res.history[-1]["time_limit"] is True
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["time_limit"] is True

@@ -290,6 +290,8 @@ class Trainer(RunSetUp):
             improved = ev.accuracy > self.best_acc
         else:
             improved = True
+        if self.t.time_limit is not None and self.budget.spent():
+            record["time_limit"] = True  # the budget ran out during validation
         if improved:
             self.best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
             self.best_epoch = int(record["epoch"])
