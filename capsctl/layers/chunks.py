@@ -13,13 +13,26 @@ its memory traffic outweighs the launch overhead; at :data:`DEVICE_CHUNK_BYTES` 
 takes about 14 us at that bandwidth (about as long as two launches), while the few
 chunk-sized buffers stay a negligible share of the device's memory. Beyond that, larger
 chunks only add memory: the passes are bandwidth-bound either way.
+
+On a CPU with several threads, the chunks of parent sites of one pass are dealt to that many
+worker threads (:func:`site_workers`, :func:`site_spans`, :func:`run_spans`), each running its
+own chunks with single-threaded kernels into its own scratch buffers; every chunk writes only
+its own sites' slices of the results, and a sum over sites (a weight gradient) gets one
+accumulator per thread, added up in a fixed order, so results do not depend on timing.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
 from torch import Tensor
 
-__all__ = ["DEVICE_CHUNK_BYTES", "chunk_bytes"]
+__all__ = ["DEVICE_CHUNK_BYTES", "chunk_bytes", "run_spans", "site_spans", "site_workers"]
 
 DEVICE_CHUNK_BYTES = 64 * 2**20
 
@@ -28,3 +41,99 @@ def chunk_bytes(like: Tensor, cpu_bytes: int) -> int:
     """Bytes of votes per chunk for tensors on ``like``'s device: ``cpu_bytes`` on a CPU,
     :data:`DEVICE_CHUNK_BYTES` on an accelerator."""
     return cpu_bytes if like.device.type == "cpu" else DEVICE_CHUNK_BYTES
+
+
+# -- sharing a pass's chunks of sites between threads -----------------------------------------
+
+_POOL: dict[str, Any] = {"size": 0, "pool": None}
+_POOL_LOCK = threading.Lock()
+_WORKER = threading.local()
+
+
+def _reset_pool() -> None:
+    _POOL.update(size=0, pool=None)  # a forked child has no worker threads
+
+
+os.register_at_fork(after_in_child=_reset_pool)
+
+
+def site_workers(like: Tensor) -> int:
+    """How many threads share the chunks of sites of one pass over ``like``'s sites.
+
+    On a CPU: torch's intra-op thread count (``CAPSCTL_ROUTING_THREADS`` overrides it; ``1``
+    runs every chunk in the calling thread, as torch would). Each thread runs its own chunks
+    with single-threaded kernels. The kernels of a chunk (a matrix product with an inner
+    dimension of 4 to 16, element-wise products and sums over a few MiB) are too short for
+    torch's own threads to pay off: on 2 cores two threads ran them 0.9-1.7x as fast as one,
+    while two threads each running its own kernels single-threaded did 1.9x the work of one in
+    the same time. 1 on accelerators and inside a worker thread.
+    """
+    if like.device.type != "cpu" or getattr(_WORKER, "active", False):
+        return 1
+    env = os.environ.get("CAPSCTL_ROUTING_THREADS", "").strip()
+    n = int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()
+    return max(1, n)
+
+
+def site_spans(bsz: int, bc: int, workers: int) -> list[tuple[int, int]]:
+    """Sites ``[0, bsz)`` in chunks of ``bc``, dealt in contiguous runs of whole chunks to at
+    most ``workers`` threads: one ``(start, stop)`` per thread."""
+    starts = list(range(0, bsz, bc))
+    n = min(workers, len(starts))
+    spans = []
+    for k in range(n):
+        first, last = starts[k * len(starts) // n], starts[(k + 1) * len(starts) // n - 1]
+        spans.append((first, min(bsz, last + bc)))
+    return spans
+
+
+def _single_threaded(ready: threading.Barrier) -> None:
+    # This thread's lazy thread set-up runs first, so that it cannot undo the next line later.
+    torch.get_num_threads()
+    torch.set_num_threads(1)  # this thread's kernels only (OpenMP and MKL counts are per thread)
+    _WORKER.active = True
+    ready.wait()
+
+
+def _pool(size: int) -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if _POOL["size"] != size:
+            if _POOL["pool"] is not None:
+                _POOL["pool"].shutdown(wait=False)
+            threads = torch.get_num_threads()  # the caller's own count (and its set-up)
+            ready = threading.Barrier(size + 1)
+            pool = ThreadPoolExecutor(
+                size,
+                thread_name_prefix="capsctl-sites",
+                initializer=_single_threaded,
+                initargs=(ready,),
+            )
+            for _ in range(size):  # start every worker now (each waits in its initializer)
+                pool.submit(int)
+            ready.wait()
+            # torch.set_num_threads(1) in a worker also set the count that threads started
+            # later begin with: put the caller's back
+            torch.set_num_threads(threads)
+            _POOL.update(size=size, pool=pool)
+        return _POOL["pool"]
+
+
+def run_spans(part: Callable[[int, int, int], None], spans: list[tuple[int, int]]) -> None:
+    """``part(i, start, stop)`` for each span ``i``: in the calling thread when there is one,
+    else one span per worker thread (without autograd, in inference mode when the caller is),
+    returning when all are done. ``part`` must write only to its own sites' slices and its
+    own scratch buffers."""
+    if len(spans) == 1:
+        part(0, *spans[0])
+        return
+    inference = torch.is_inference_mode_enabled()
+
+    def call(i: int, start: int, stop: int) -> None:
+        with torch.inference_mode() if inference else torch.no_grad():
+            part(i, start, stop)
+
+    pool = _pool(len(spans))
+    futures = [pool.submit(call, i, s0, s1) for i, (s0, s1) in enumerate(spans)]
+    wait(futures)
+    for f in futures:
+        f.result()  # re-raises a worker's exception

@@ -27,13 +27,13 @@ votes ``U[2, J, Bc, d, m]`` (``d = (a, c)``), coefficients ``[J, B, m]``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from capsctl.layers.chunks import chunk_bytes
+from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
 
 # Bytes of votes per chunk of parent sites (the chunk's buffers are about four times this).
 EM_CHUNK_BYTES = 4 * 2**20
@@ -52,11 +52,11 @@ def em_chunk_sites(sites: int) -> Iterator[None]:
         _CHUNK["sites"] = before
 
 
-def _chunk_sites(bsz: int, per_site: int, budget: int = EM_CHUNK_BYTES) -> int:
+def _chunk_sites(bsz: int, per_site: int, budget: int = EM_CHUNK_BYTES, workers: int = 1) -> int:
     """Sites per chunk: the override, else as many as ``budget`` bytes of votes hold
-    (``EM_CHUNK_BYTES`` on a CPU; capsctl/layers/chunks.py), in chunks of equal size (no short
-    last one)."""
-    bc = _CHUNK["sites"] or max(1, budget // max(1, per_site))
+    (``EM_CHUNK_BYTES`` on a CPU; capsctl/layers/chunks.py) and at least one chunk per thread
+    sharing them (``workers``), in chunks of equal size (no short last one)."""
+    bc = _CHUNK["sites"] or max(1, min(budget // max(1, per_site), -(-bsz // max(1, workers))))
     bc = max(1, min(bsz, bc))
     return -(-bsz // -(-bsz // bc))
 
@@ -77,8 +77,9 @@ def vote_shift(xs: Tensor, wc: Tensor, a_in: Tensor, m: int) -> Tensor:
 
 
 class _Votes:
-    """The chunk buffers ``U[2, J, Bc, d, m]`` (shifted votes, their squares) and a scratch of
-    the same size, reused by every chunk."""
+    """The chunks of sites of one pass, shared by ``site_workers`` threads
+    (capsctl/layers/chunks.py); each thread has its chunk buffers ``U[2, J, Bc, d, m]``
+    (shifted votes, their squares) and a scratch of the same size, reused by its chunks."""
 
     def __init__(self, x: Tensor, wc: Tensor, shift: Tensor) -> None:
         j, bsz, a, _ = x.shape
@@ -86,35 +87,40 @@ class _Votes:
         self.j, self.a = j, a
         self.d, self.m = shift.shape[1], shift.shape[2]
         per_site = j * self.d * self.m * x.element_size()
-        self.bc = _chunk_sites(bsz, per_site, chunk_bytes(x, EM_CHUNK_BYTES))
-        n = j * self.bc * self.d * self.m
-        self.ubuf = x.new_empty(2 * n)
-        self.tbuf = x.new_empty(2 * n)
+        workers = site_workers(x)
+        self.bc = _chunk_sites(bsz, per_site, chunk_bytes(x, EM_CHUNK_BYTES), workers)
+        self.spans = site_spans(bsz, self.bc, workers)
 
-    def chunks(self) -> Iterator[tuple[int, int]]:
-        bsz = self.x.shape[1]
-        for b0 in range(0, bsz, self.bc):
-            yield b0, min(bsz, b0 + self.bc)
+    def run(self, body: Callable[[int, tuple[Tensor, Tensor], int, int], None]) -> None:
+        """``body(thread, buffers, b0, b1)`` for every chunk of sites ``b0:b1``."""
+        n = 2 * self.j * self.bc * self.d * self.m
 
-    def build(self, b0: int, b1: int) -> Tensor:
+        def part(i: int, lo: int, hi: int) -> None:
+            bufs = (self.x.new_empty(n), self.x.new_empty(n))
+            for b0 in range(lo, hi, self.bc):
+                body(i, bufs, b0, min(hi, b0 + self.bc))
+
+        run_spans(part, self.spans)
+
+    def build(self, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> Tensor:
         """``U[2, J, Bc, d, m]`` of sites ``b0:b1``: ``V - s`` and ``(V - s)^2``."""
         j, bc, a, d, m = self.j, b1 - b0, self.a, self.d, self.m
-        u = self.ubuf[: 2 * j * bc * d * m].view(2, j, bc, d, m)  # [2, J, Bc, d, m]
+        u = bufs[0][: 2 * j * bc * d * m].view(2, j, bc, d, m)  # [2, J, Bc, d, m]
         xc = self.x[:, b0:b1].reshape(j, bc * a, -1)  # [J, Bc*a, x]
         torch.bmm(xc, self.wc, out=u[0].view(j, bc * a, -1))  # [J, Bc*a, c*m]
         u[0].sub_(self.shift[b0:b1])  # [J, Bc, d, m]
         torch.mul(u[0], u[0], out=u[1])  # [J, Bc, d, m]
         return u
 
-    def moments(self, u: Tensor, r: Tensor) -> Tensor:
+    def moments(self, bufs: tuple[Tensor, Tensor], u: Tensor, r: Tensor) -> Tensor:
         """``sum_J r U``: ``u[2, J, Bc, d, m]``, ``r[J, Bc, m]`` -> ``[2, Bc, d, m]``."""
-        t = self.tbuf[: u.numel()].view_as(u)  # [2, J, Bc, d, m]
+        t = bufs[1][: u.numel()].view_as(u)  # [2, J, Bc, d, m]
         torch.mul(u, r.unsqueeze(2), out=t)  # [2, J, Bc, d, m]
         return t.sum(1)  # [2, Bc, d, m]
 
-    def quad(self, u: Tensor, qp: Tensor) -> Tensor:
+    def quad(self, bufs: tuple[Tensor, Tensor], u: Tensor, qp: Tensor) -> Tensor:
         """``sum_{2, d} qp U``: ``u[2, J, Bc, d, m]``, ``qp[2, Bc, d, m]`` -> ``[J, Bc, m]``."""
-        t = self.tbuf[: u.numel()].view_as(u)  # [2, J, Bc, d, m]
+        t = bufs[1][: u.numel()].view_as(u)  # [2, J, Bc, d, m]
         torch.mul(u, qp.unsqueeze(1), out=t)  # [2, J, Bc, d, m]
         return t[0].add_(t[1]).sum(2)  # [J, Bc, m]; faster than one sum over dims (0, 3)
 
@@ -131,10 +137,17 @@ class _Votes:
             gw.baddbmm_(xct, dvm)  # [J, x, c*m]
 
 
-def _grad_buffers(votes: _Votes, needs: tuple[bool, ...]) -> tuple[Tensor | None, Tensor | None]:
+def _grad_buffers(votes: _Votes, needs: tuple[bool, ...]) -> tuple[Tensor | None, list[Tensor]]:
+    """``gx[J, B, a, x]`` and one ``gw[J, x, c*m]`` per thread (summed by :func:`_sum_gw`)."""
     gx = torch.empty_like(votes.x) if needs[0] else None  # [J, B, a, x]
-    gw = torch.zeros_like(votes.wc) if needs[1] else None  # [J, x, c*m]
-    return gx, gw
+    gws = [torch.zeros_like(votes.wc) for _ in votes.spans] if needs[1] else []
+    return gx, gws
+
+
+def _sum_gw(gws: list[Tensor]) -> Tensor | None:
+    for extra in gws[1:]:
+        gws[0].add_(extra)
+    return gws[0] if gws else None
 
 
 class VoteMoments(torch.autograd.Function):
@@ -145,9 +158,12 @@ class VoteMoments(torch.autograd.Function):
     def forward(ctx, r: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
         votes = _Votes(x, wc, shift)
         out = x.new_empty(2, x.shape[1], votes.d, votes.m)  # [2, B, d, m]
-        for b0, b1 in votes.chunks():
-            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
-            out[:, b0:b1] = votes.moments(u, r[:, b0:b1])  # [2, Bc, d, m]
+
+        def chunk(_: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
+            u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
+            out[:, b0:b1] = votes.moments(bufs, u, r[:, b0:b1])  # [2, Bc, d, m]
+
+        votes.run(chunk)
         ctx.save_for_backward(r, x, wc, shift)
         return out
 
@@ -157,19 +173,22 @@ class VoteMoments(torch.autograd.Function):
         r, x, wc, shift = ctx.saved_tensors
         votes = _Votes(x, wc, shift)
         gr = torch.empty_like(r) if ctx.needs_input_grad[0] else None  # [J, B, m]
-        gx, gw = _grad_buffers(votes, ctx.needs_input_grad[1:3])
+        gx, gws = _grad_buffers(votes, ctx.needs_input_grad[1:3])
         gs = gs.contiguous()  # [2, B, d, m]
-        for b0, b1 in votes.chunks():
-            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
+
+        def chunk(i: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
+            u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
             gsc, rc = gs[:, b0:b1], r[:, b0:b1]  # [2, Bc, d, m], [J, Bc, m]
             if gr is not None:
-                gr[:, b0:b1] = votes.quad(u, gsc)  # [J, Bc, m]
-            if gx is None and gw is None:
-                continue
+                gr[:, b0:b1] = votes.quad(bufs, u, gsc)  # [J, Bc, m]
+            if gx is None and not gws:
+                return
             dv = torch.addcmul(gsc[0], u[0], gsc[1], value=2.0, out=u[1])  # [J, Bc, d, m]
             dv.mul_(rc.unsqueeze(2))  # [J, Bc, d, m]
-            votes.backprop(dv, b0, b1, gx, gw)
-        return gr, gx, gw, None
+            votes.backprop(dv, b0, b1, gx, gws[i] if gws else None)
+
+        votes.run(chunk)
+        return gr, gx, _sum_gw(gws), None
 
 
 class VoteQuad(torch.autograd.Function):
@@ -181,9 +200,12 @@ class VoteQuad(torch.autograd.Function):
         votes = _Votes(x, wc, shift)
         qp = qp.contiguous()  # [2, B, d, m]
         out = x.new_empty(x.shape[0], x.shape[1], votes.m)  # [J, B, m]
-        for b0, b1 in votes.chunks():
-            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
-            out[:, b0:b1] = votes.quad(u, qp[:, b0:b1])  # [J, Bc, m]
+
+        def chunk(_: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
+            u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
+            out[:, b0:b1] = votes.quad(bufs, u, qp[:, b0:b1])  # [J, Bc, m]
+
+        votes.run(chunk)
         ctx.save_for_backward(qp, x, wc, shift)
         return out
 
@@ -193,16 +215,19 @@ class VoteQuad(torch.autograd.Function):
         qp, x, wc, shift = ctx.saved_tensors
         votes = _Votes(x, wc, shift)
         gqp = torch.empty_like(qp) if ctx.needs_input_grad[0] else None  # [2, B, d, m]
-        gx, gw = _grad_buffers(votes, ctx.needs_input_grad[1:3])
+        gx, gws = _grad_buffers(votes, ctx.needs_input_grad[1:3])
         gq = gq.contiguous()  # [J, B, m]
-        for b0, b1 in votes.chunks():
-            u = votes.build(b0, b1)  # [2, J, Bc, d, m]
+
+        def chunk(i: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
+            u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
             gqc, qpc = gq[:, b0:b1], qp[:, b0:b1]  # [J, Bc, m], [2, Bc, d, m]
             if gqp is not None:
-                gqp[:, b0:b1] = votes.moments(u, gqc)  # [2, Bc, d, m]
-            if gx is None and gw is None:
-                continue
+                gqp[:, b0:b1] = votes.moments(bufs, u, gqc)  # [2, Bc, d, m]
+            if gx is None and not gws:
+                return
             dv = torch.addcmul(qpc[0], u[0], qpc[1], value=2.0, out=u[1])  # [J, Bc, d, m]
             dv.mul_(gqc.unsqueeze(2))  # [J, Bc, d, m]
-            votes.backprop(dv, b0, b1, gx, gw)
-        return gqp, gx, gw, None
+            votes.backprop(dv, b0, b1, gx, gws[i] if gws else None)
+
+        votes.run(chunk)
+        return gqp, gx, _sum_gw(gws), None

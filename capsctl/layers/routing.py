@@ -39,7 +39,8 @@ default). :func:`routed_pass` picks one.
 
 The chunked pass never keeps the vote tensor: it walks over ``B`` in chunks small enough to stay
 in cache, keeps only the coefficients ``R`` (``1/d`` of the votes' size) and recomputes the
-votes of each chunk in the backward pass.
+votes of each chunk in the backward pass. On a CPU the chunks of sites are shared between
+threads, each running its chunks with single-threaded kernels (capsctl/layers/chunks.py).
 
 No input of the routed pass (``X``, ``W``, ``P``, nor the incoming gradient) is ever written to,
 in the forward or the backward pass: in the concurrent schedule the parent poses of one layer
@@ -54,109 +55,43 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from capsctl.layers.chunks import chunk_bytes
+from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
 from capsctl.layers.flops import add_routing_flops
+from capsctl.layers.vote_tiles import (
+    _Chunk,
+    _Gradients,
+    _parent_major,
+    _prepare,
+    _site_major,
+    _vote_backward,
+)
 
 # Bytes of vote chunk per step on a CPU, to stay in the last-level cache (accelerators: chunks.py).
 CHUNK_BYTES = 2 * 2**20
 
 
 def _tiles(
-    j: int, bsz: int, m: int, d: int, itemsize: int, sites: int | None = None, budget: int = 0
+    j: int,
+    bsz: int,
+    m: int,
+    d: int,
+    itemsize: int,
+    sites: int | None = None,
+    budget: int = 0,
+    workers: int = 1,
 ) -> tuple[int, int]:
     """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``budget`` bytes
-    (0: ``CHUNK_BYTES``; capsctl/layers/chunks.py); ``sites``: ``Bc`` given, for tests.
+    (0: ``CHUNK_BYTES``; capsctl/layers/chunks.py); ``sites``: ``Bc`` given, for tests;
+    ``workers``: threads that will share the chunks of sites (at least that many chunks).
 
     Whole rows of sites come first: the votes of one child at many sites are one tall matrix
     product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
     """
     per_site, budget = max(1, m * d * itemsize), budget or CHUNK_BYTES
-    bc = max(1, min(bsz, sites or budget // per_site))
+    bc = max(1, min(bsz, sites or budget // per_site, -(-bsz // max(1, workers))))
     bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
     jc = max(1, min(j, budget // (per_site * bc)))
     return jc, bc
-
-
-def _site_major(p: Tensor, scale: float = 1.0) -> Tensor:
-    """``scale * p``: ``[B, m, a, c]`` -> contiguous ``[B, d, m]`` (parent type innermost, as the
-    votes), one kernel.
-
-    Always new storage, never a view of ``p`` (``.contiguous()`` would return ``p`` itself when
-    ``m = 1`` or ``p`` is already laid out this way): callers may write to the result, and ``p``
-    is an input of the routed pass, which must never change.
-    """
-    bsz, m, a, c = p.shape
-    out = p.new_empty(bsz, a, c, m)  # [B, a, c, m]
-    src = p.permute(0, 2, 3, 1)  # [B, a, c, m]
-    if scale == 1.0:
-        out.copy_(src)
-    else:
-        torch.mul(src, scale, out=out)
-    return out.view(bsz, a * c, m)  # [B, d, m]
-
-
-def _parent_major(q: Tensor, a: int, c: int) -> Tensor:
-    """``[B, d, m]`` -> contiguous ``[B, m, a, c]``."""
-    bsz, _, m = q.shape
-    return q.view(bsz, a, c, m).permute(0, 3, 1, 2).contiguous()  # [B, m, a, c]
-
-
-class _Chunk:
-    """Scratch buffers for one ``(Jc, Bc)`` tile, reused by every tile (no allocator traffic)."""
-
-    def __init__(self, like: Tensor, jc: int, bc: int, a: int, d: int, m: int) -> None:
-        self.jc, self.bc, self.a, self.d, self.m = jc, bc, a, d, m
-        n = jc * bc * d * m
-        self.vbuf = like.new_empty(n)  # votes, then the votes' gradient
-        self.tbuf = like.new_empty(n)  # products before a reduction over d
-        self.lbuf = like.new_empty(jc * bc * m)  # logits / gradient of R
-        self.rbuf = like.new_empty(jc * bc * m)  # coefficients of the tile
-        self.kbuf = like.new_empty(jc * bc)  # one number per (child, site)
-
-    def votes(self, xc: Tensor, wc: Tensor) -> Tensor:
-        """``xc[Jc, Bc, a, x]``, ``wc[Jc, x, c*m]`` -> votes ``[Jc, Bc, d, m]`` (in ``vbuf``).
-
-        Parent type innermost: the product needs no permute, coefficients ``[Jc, Bc, 1, m]``
-        broadcast over contiguous rows and the agreement reduces a middle dim.
-        """
-        jc, bc, a, xd = xc.shape
-        cm = wc.shape[2]
-        v = self.vbuf[: jc * bc * a * cm].view(jc, bc * a, cm)  # [Jc, Bc*a, c*m]
-        torch.bmm(xc.reshape(jc, bc * a, xd), wc, out=v)  # [Jc, Bc*a, c*m]
-        return v.view(jc, bc, self.d, self.m)  # [Jc, Bc, d, m]
-
-    def dot_d(self, v: Tensor, q: Tensor) -> Tensor:
-        """``sum_d v * q``: ``v[Jc, Bc, d, m]``, ``q[Bc, d, m]`` -> ``[Jc, Bc, m]`` in ``lbuf``."""
-        jc, bc = v.shape[0], v.shape[1]
-        t = self.tbuf[: v.numel()].view_as(v)  # [Jc, Bc, d, m]
-        torch.mul(v, q, out=t)  # [Jc, Bc, d, m]
-        out = self.lbuf[: jc * bc * self.m].view(jc, bc, self.m)  # [Jc, Bc, m]
-        return torch.sum(t, 2, out=out)  # [Jc, Bc, m]
-
-    def softmax_into(self, logits: Tensor, dest: Tensor) -> Tensor:
-        """Softmax over ``m`` of ``logits[Jc, Bc, m]`` written to ``dest`` (a slice of ``R``)."""
-        if dest.is_contiguous():
-            torch.ops.aten._softmax.out(logits, -1, False, out=dest)
-            return dest
-        out = self.rbuf[: logits.numel()].view_as(logits)  # [Jc, Bc, m]
-        torch.ops.aten._softmax.out(logits, -1, False, out=out)
-        dest.copy_(out)
-        return out
-
-    def softmax_backward(self, rc: Tensor, dr: Tensor) -> Tensor:
-        """``rc * (dr - sum_m rc * dr)`` for ``rc, dr[Jc, Bc, m]``, one kernel (into ``rbuf``)."""
-        out = self.rbuf[: dr.numel()].view_as(dr)  # [Jc, Bc, m]
-        torch.ops.aten._softmax_backward_data.out(dr, rc, -1, dr.dtype, grad_input=out)
-        return out
-
-    def sum_j(self, acc: Tensor, v: Tensor, coef: Tensor) -> None:
-        """``acc[Bc, d, m] += sum_J coef[Jc, Bc, m] * v[Jc, Bc, d, m]``; may overwrite ``v``."""
-        if v.shape[0] == 1:
-            acc.addcmul_(v[0], coef[0].unsqueeze(1))  # [Bc, d, m]
-            return
-        v.mul_(coef.unsqueeze(2))  # [Jc, Bc, d, m]
-        t = self.tbuf[: acc.numel()].view_as(acc)  # [Bc, d, m]
-        acc.add_(torch.sum(v, 0, out=t))  # [Bc, d, m]
 
 
 def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -168,13 +103,6 @@ def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tupl
     return s, r
 
 
-def _prepare(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """Contiguous ``x[J, B, a, x]`` and the weights as ``[J, x, c*m]``."""
-    j, xd, m, c = w.shape
-    wc = w.permute(0, 1, 3, 2).contiguous().view(j, xd, c * m)  # [J, x, c*m]
-    return x.contiguous(), wc
-
-
 def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``S[B, m, a, c]`` and ``R[J, B, m]``, tile by tile (no autograd)."""
     j, bsz, a, _ = x.shape
@@ -184,52 +112,23 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     pq = _site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=chunk_bytes(x, CHUNK_BYTES))
-    buf = _Chunk(x, jc, bc, a, d, m)
+    workers = site_workers(x)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), None, chunk_bytes(x, CHUNK_BYTES), workers)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
-    for b0 in range(0, bsz, bc):
-        b1 = min(bsz, b0 + bc)
-        pqc, sc = pq[b0:b1], s[b0:b1]  # [Bc, d, m]
-        rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
-        for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
-            v = buf.votes(xc, wcs[t])  # [Jc, Bc, d, m]
-            rc = buf.softmax_into(buf.dot_d(v, pqc), rs[t])  # [Jc, Bc, m]
-            buf.sum_j(sc, v, rc)
+
+    def part(_: int, lo: int, hi: int) -> None:
+        buf = _Chunk(x, jc, bc, a, d, m)
+        for b0 in range(lo, hi, bc):
+            b1 = min(hi, b0 + bc)
+            pqc, sc = pq[b0:b1], s[b0:b1]  # [Bc, d, m]
+            rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+            for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
+                v = buf.votes(xc, wcs[t])  # [Jc, Bc, d, m]
+                rc = buf.softmax_into(buf.dot_d(v, pqc), rs[t])  # [Jc, Bc, m]
+                buf.sum_j(sc, v, rc)
+
+    run_spans(part, site_spans(bsz, bc, workers))
     return _parent_major(s, a, c), r
-
-
-class _Gradients:
-    """Gradient accumulators of the chunked backward pass, in the layouts its products write.
-
-    ``gxt[J, x, B*a]``: d loss / d X transposed (the product ``[x, c*m] @ [c*m, Bc*a]`` runs
-    faster than its transpose); ``gw[J, x, c*m]``; ``gp[B, d, m]`` before the agreement's scale.
-    Each is None when its input needs no gradient. ``gx_tile``: a scratch tile for ``gxt`` when a
-    tile of sites is not a contiguous slice of it (``Bc < B``).
-    """
-
-    def __init__(
-        self, x: Tensor, wc: Tensor, d: int, m: int, bc: int, jc: int, needs: tuple[bool, ...]
-    ) -> None:
-        j, bsz, a, xd = x.shape
-        need_x, need_w, need_p = needs[:3]
-        self.gxt = x.new_empty(j, xd, bsz * a) if need_x else None  # [J, x, B*a]
-        self.gw = torch.zeros_like(wc) if need_w else None  # [J, x, c*m]
-        self.gp = x.new_zeros(bsz, d, m) if need_p else None  # [B, d, m]
-        self.gx_tile = x.new_empty(jc * xd * bc * a) if need_x and bc < bsz else None
-
-    def of_inputs(self, a: int, c: int, scale: float) -> tuple[Tensor | None, ...]:
-        """The gradients of ``X[J, B, a, x]``, ``W[J, x, m, c]`` and ``P[B, m, a, c]``."""
-        gx = gw = gp = None
-        if self.gxt is not None:
-            j, xd, ba = self.gxt.shape
-            # a strided view is a valid gradient: no copy back to [J, B, a, x]
-            gx = self.gxt.view(j, xd, ba // a, a).permute(0, 2, 3, 1)  # [J, B, a, x]
-        if self.gw is not None:
-            j, xd, cm = self.gw.shape
-            gw = self.gw.view(j, xd, c, cm // c).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
-        if self.gp is not None:
-            gp = _parent_major(self.gp.mul_(scale), a, c)  # [B, m, a, c]
-        return gx, gw, gp
 
 
 def _tile_backward(
@@ -261,31 +160,6 @@ def _tile_backward(
     _vote_backward(gv, xc, wct, gxc, gwc, gx_tile)
 
 
-def _vote_backward(
-    gv: Tensor,
-    xc: Tensor,
-    wct: Tensor,
-    gxc: Tensor | None,
-    gwc: Tensor | None,
-    gx_tile: Tensor | None,
-) -> None:
-    """From the votes' gradient ``gv[Jc, Bc, d, m]`` of one tile: writes ``d X`` (transposed,
-    ``gxc[Jc, x, Bc*a]``) and adds ``d W`` to ``gwc[Jc, x, c*m]``."""
-    tj, tb, a, xd = xc.shape
-    cm = wct.shape[2]
-    gv = gv.view(tj, tb * a, cm)  # [Jc, Bc*a, c*m]
-    if gxc is not None:
-        gvt = gv.transpose(1, 2)  # [Jc, c*m, Bc*a]
-        if gx_tile is None:
-            torch.bmm(wct, gvt, out=gxc)  # [Jc, x, Bc*a]
-        else:
-            tile = gx_tile[: tj * xd * tb * a].view(tj, xd, tb * a)  # [Jc, x, Bc*a]
-            gxc.copy_(torch.bmm(wct, gvt, out=tile))  # [Jc, x, Bc*a]
-    if gwc is not None:
-        xct = xc.reshape(tj, tb * a, xd).transpose(1, 2)  # [Jc, x, Bc*a]
-        gwc.baddbmm_(xct, gv)  # [Jc, x, c*m]
-
-
 def _chunked_backward(
     x: Tensor, w: Tensor, p: Tensor, r: Tensor, gs: Tensor, scale: float, needs: tuple[bool, ...]
 ) -> tuple[Tensor | None, ...]:
@@ -297,27 +171,32 @@ def _chunked_backward(
     x, wc = _prepare(x, w)
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=chunk_bytes(x, CHUNK_BYTES))
-    buf = _Chunk(x, jc, bc, a, d, m)
-    acc = _Gradients(x, wc, d, m, bc, jc, needs)
-    # per-child operands split once (one call each, not one slice per tile)
-    wcs = wc.split(jc)  # [Jc, x, c*m] each
-    gws = acc.gw.split(jc) if acc.gw is not None else None  # [Jc, x, c*m] each
-    for b0 in range(0, bsz, bc):
-        b1 = min(bsz, b0 + bc)
-        gqc, pqc = gq[b0:b1], pq[b0:b1]  # [Bc, d, m]
-        gpc = acc.gp[b0:b1] if acc.gp is not None else None  # [Bc, d, m]
-        rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
-        gxs = None
-        if acc.gxt is not None:
-            gxs = acc.gxt[:, :, b0 * a : b1 * a].split(jc)  # [Jc, x, Bc*a] each
-        for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
-            grads = (
-                gxs[t] if gxs is not None else None,
-                gws[t] if gws is not None else None,
-                gpc,
-            )
-            _tile_backward(buf, xc, wcs[t], rs[t], gqc, pqc, grads, acc.gx_tile)
+    workers = site_workers(x)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), None, chunk_bytes(x, CHUNK_BYTES), workers)
+    spans = site_spans(bsz, bc, workers)
+    acc = _Gradients(x, wc, d, m, bc, jc, needs, len(spans))
+    wcs = wc.split(jc)  # [Jc, x, c*m] each (per-child operands split once)
+
+    def part(i: int, lo: int, hi: int) -> None:
+        buf, gx_tile = _Chunk(x, jc, bc, a, d, m), acc.scratch(i)
+        gws = acc.gws[i].split(jc) if acc.gws else None  # [Jc, x, c*m] each
+        for b0 in range(lo, hi, bc):
+            b1 = min(hi, b0 + bc)
+            gqc, pqc = gq[b0:b1], pq[b0:b1]  # [Bc, d, m]
+            gpc = acc.gp[b0:b1] if acc.gp is not None else None  # [Bc, d, m]
+            rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+            gxs = None
+            if acc.gxt is not None:
+                gxs = acc.gxt[:, :, b0 * a : b1 * a].split(jc)  # [Jc, x, Bc*a] each
+            for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
+                grads = (
+                    gxs[t] if gxs is not None else None,
+                    gws[t] if gws is not None else None,
+                    gpc,
+                )
+                _tile_backward(buf, xc, wcs[t], rs[t], gqc, pqc, grads, gx_tile)
+
+    run_spans(part, spans)
     return acc.of_inputs(a, c, scale)
 
 

@@ -28,12 +28,13 @@ numbers) and recomputes them chunk by chunk in the backward pass. Only coefficie
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from capsctl.layers.baseline_capsules import BaselineCapsules
-from capsctl.layers.chunks import chunk_bytes
+from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
 from capsctl.layers.routing import _DENSE
 from capsctl.layers.weighted_pass import weighted_pass
 
@@ -60,13 +61,20 @@ def _weights_dense(logits: Tensor, act: Tensor) -> tuple[Tensor, Tensor, Tensor]
 SELF_WEIGHTS_CHUNK_BYTES = 2**20
 
 
-def _site_chunks(like: Tensor) -> list[tuple[int, int]]:
-    """Equal chunks of the sites ``B`` of ``like[J, B, m]``, ``SELF_WEIGHTS_CHUNK_BYTES`` each."""
+def _for_site_chunks(like: Tensor, body: Callable[[int, int], None]) -> None:
+    """``body(b0, b1)`` for equal chunks of the sites ``B`` of ``like[J, B, m]``,
+    ``SELF_WEIGHTS_CHUNK_BYTES`` each, shared by ``site_workers`` threads
+    (capsctl/layers/chunks.py)."""
     j, bsz, m = like.shape
-    budget = chunk_bytes(like, SELF_WEIGHTS_CHUNK_BYTES)
-    bc = max(1, min(bsz, budget // max(1, j * m * like.element_size())))
+    budget, workers = chunk_bytes(like, SELF_WEIGHTS_CHUNK_BYTES), site_workers(like)
+    bc = max(1, min(bsz, budget // max(1, j * m * like.element_size()), -(-bsz // workers)))
     bc = -(-bsz // -(-bsz // bc))
-    return [(b0, min(bsz, b0 + bc)) for b0 in range(0, bsz, bc)]
+
+    def part(_: int, lo: int, hi: int) -> None:
+        for b0 in range(lo, hi, bc):
+            body(b0, min(hi, b0 + bc))
+
+    run_spans(part, site_spans(bsz, bc, workers))
 
 
 class SelfWeights(torch.autograd.Function):
@@ -85,12 +93,15 @@ class SelfWeights(torch.autograd.Function):
         at = act.t().contiguous()  # [J, B]
         c, w = torch.empty_like(logits), torch.empty_like(logits)  # [J, B, m] each
         total = logits.new_empty(logits.shape[1:])  # [B, m]
-        for b0, b1 in _site_chunks(logits):
+
+        def chunk(b0: int, b1: int) -> None:
             cc, wc = c[:, b0:b1], w[:, b0:b1]  # [J, Bc, m]
             cc.copy_(torch.softmax(logits[:, b0:b1], dim=-1))  # [J, Bc, m]
             torch.mul(cc, at[:, b0:b1].unsqueeze(-1), out=wc)  # [J, Bc, m]: c_ij a_i
             total[b0:b1] = wc.sum(0)  # [Bc, m]
             wc.div_(total[b0:b1] + SELF_ROUTING_EPS)  # [J, Bc, m]
+
+        _for_site_chunks(logits, chunk)
         r = torch.reciprocal(total + SELF_ROUTING_EPS)  # [B, m]
         ra = torch.reciprocal(at.sum(0) + SELF_ROUTING_EPS).unsqueeze(-1)  # [B, 1]
         parent = total * ra  # [B, m]
@@ -108,7 +119,8 @@ class SelfWeights(torch.autograd.Function):
         da_parent = None if gp is None else (gp * total).sum(-1) * ra.squeeze(-1) ** 2  # [B]
         dlogits = torch.empty_like(c)  # [J, B, m]
         da = at.new_empty(at.shape)  # [J, B]
-        for b0, b1 in _site_chunks(c):
+
+        def chunk(b0: int, b1: int) -> None:
             cc, atc, dtc = c[:, b0:b1], at[:, b0:b1].unsqueeze(-1), dt[b0:b1]  # chunk
             if gw is not None:
                 gwc = gw[:, b0:b1]  # [J, Bc, m]
@@ -119,6 +131,8 @@ class SelfWeights(torch.autograd.Function):
             da[:, b0:b1] = (cc * q).sum(-1)  # [J, Bc]
             dc = q * atc  # [J, Bc, m]
             dlogits[:, b0:b1] = torch._softmax_backward_data(dc, cc, -1, cc.dtype)  # [J, Bc, m]
+
+        _for_site_chunks(c, chunk)
         if da_parent is not None:
             da.sub_(da_parent)  # [J, B] - [B]
         return dlogits, da.t()  # [J, B, m], [B, J]

@@ -13,17 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from capsctl.layers.chunks import chunk_bytes
+from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
 from capsctl.layers.flops import add_routing_flops
-from capsctl.layers.routing import (
-    _DENSE,
-    CHUNK_BYTES,
+from capsctl.layers.routing import _DENSE, CHUNK_BYTES, _tiles
+from capsctl.layers.vote_tiles import (
     _Chunk,
     _Gradients,
     _parent_major,
     _prepare,
     _site_major,
-    _tiles,
     _vote_backward,
 )
 
@@ -35,14 +33,20 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     d = a * c
     x, wc = _prepare(x, w)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, chunk_bytes(x, CHUNK_BYTES))
-    buf = _Chunk(x, jc, bc, a, d, m)
+    workers = site_workers(x)
+    budget = chunk_bytes(x, CHUNK_BYTES)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, budget, workers)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
-    for b0 in range(0, bsz, bc):
-        b1 = min(bsz, b0 + bc)
-        rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
-        for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
-            buf.sum_j(s[b0:b1], buf.votes(xc, wcs[t]), rs[t])
+
+    def part(_: int, lo: int, hi: int) -> None:
+        buf = _Chunk(x, jc, bc, a, d, m)
+        for b0 in range(lo, hi, bc):
+            b1 = min(hi, b0 + bc)
+            rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+            for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
+                buf.sum_j(s[b0:b1], buf.votes(xc, wcs[t]), rs[t])
+
+    run_spans(part, site_spans(bsz, bc, workers))
     return _parent_major(s, a, c)
 
 
@@ -56,28 +60,35 @@ def _weighted_backward(
     d = a * c
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, chunk_bytes(x, CHUNK_BYTES))
-    buf = _Chunk(x, jc, bc, a, d, m)
-    acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False))
+    workers = site_workers(x)
+    budget = chunk_bytes(x, CHUNK_BYTES)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, budget, workers)
+    spans = site_spans(bsz, bc, workers)
+    acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]
     wcs = wc.split(jc)  # [Jc, x, c*m] each
-    gws = acc.gw.split(jc) if acc.gw is not None else None  # [Jc, x, c*m] each
-    for b0 in range(0, bsz, bc):
-        b1 = min(bsz, b0 + bc)
-        gqc = gq[b0:b1]  # [Bc, d, m]
-        rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
-        grs = gr[:, b0:b1].split(jc) if gr is not None else None  # [Jc, Bc, m] each
-        gxs = acc.gxt[:, :, b0 * a : b1 * a].split(jc) if acc.gxt is not None else None
-        for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
-            v = buf.votes(xc, wcs[t])  # [Jc, Bc, d, m]
-            if grs is not None:
-                grs[t].copy_(buf.dot_d(v, gqc))  # [Jc, Bc, m]
-            if gxs is None and gws is None:
-                continue
-            gv = torch.mul(rs[t].unsqueeze(2), gqc, out=v)  # [Jc, Bc, d, m]
-            gxc = gxs[t] if gxs is not None else None
-            gwc = gws[t] if gws is not None else None
-            _vote_backward(gv, xc, wcs[t], gxc, gwc, acc.gx_tile)
+
+    def part(i: int, lo: int, hi: int) -> None:
+        buf, gx_tile = _Chunk(x, jc, bc, a, d, m), acc.scratch(i)
+        gws = acc.gws[i].split(jc) if acc.gws else None  # [Jc, x, c*m] each
+        for b0 in range(lo, hi, bc):
+            b1 = min(hi, b0 + bc)
+            gqc = gq[b0:b1]  # [Bc, d, m]
+            rs = r[:, b0:b1].split(jc)  # [Jc, Bc, m] each
+            grs = gr[:, b0:b1].split(jc) if gr is not None else None  # [Jc, Bc, m] each
+            gxs = acc.gxt[:, :, b0 * a : b1 * a].split(jc) if acc.gxt is not None else None
+            for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
+                v = buf.votes(xc, wcs[t])  # [Jc, Bc, d, m]
+                if grs is not None:
+                    grs[t].copy_(buf.dot_d(v, gqc))  # [Jc, Bc, m]
+                if gxs is None and gws is None:
+                    continue
+                gv = torch.mul(rs[t].unsqueeze(2), gqc, out=v)  # [Jc, Bc, d, m]
+                gxc = gxs[t] if gxs is not None else None
+                gwc = gws[t] if gws is not None else None
+                _vote_backward(gv, xc, wcs[t], gxc, gwc, gx_tile)
+
+    run_spans(part, spans)
     gx, gw, _ = acc.of_inputs(a, c, 1.0)
     return gx, gw, gr
 
