@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
-from capsctl.layers.chunks import chunk_bytes
+from capsctl.layers import chunks
+from capsctl.layers.chunks import chunk_bytes, last_level_cache, vote_chunk_bytes
 from capsctl.layers.routing import _tiles
 
 
@@ -27,3 +31,37 @@ def test_a_larger_budget_makes_fewer_tiles() -> None:
     assert tiles[1] < tiles[0]
     for jc, bc in (small, large):
         assert jc * bc * 32 * 16 * 4 <= max(64 * 2**20, 2 * 2**20)
+
+
+def _cache_folder(root: Path, entries: list[tuple[str, str]]) -> str:
+    for i, (level, size) in enumerate(entries):
+        index = root / f"index{i}"
+        index.mkdir(parents=True)
+        (index / "level").write_text(level + "\n")
+        (index / "size").write_text(size + "\n")
+    return str(root)
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path) -> None:
+    root = _cache_folder(
+        tmp_path / "a", [("1", "32K"), ("1", "32K"), ("2", "512K"), ("3", "32768K")]
+    )
+    assert last_level_cache(root) == 32 * 2**20
+    assert last_level_cache(_cache_folder(tmp_path / "b", [("2", "1M"), ("1", "48K")])) == 2**20
+    # unreadable or absent: an assumed 16 MiB
+    assert last_level_cache(_cache_folder(tmp_path / "c", [("x", "??")])) == 16 * 2**20
+    assert last_level_cache(str(tmp_path / "none")) == 16 * 2**20
+
+
+def test_a_cpu_chunk_is_an_equal_share_of_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunks, "last_level_cache", lambda: 32 * 2**20)
+    cpu = torch.empty(1)
+    # 2 threads with 2 chunk-sized buffers each share a 32 MiB cache: 8 MiB chunks
+    assert vote_chunk_bytes(cpu, 0, 2, 2) == 8 * 2**20
+    assert vote_chunk_bytes(cpu, 0, 4, 2) == 4 * 2**20
+    assert vote_chunk_bytes(cpu, 0, 2, 1) == 16 * 2**20
+    assert vote_chunk_bytes(cpu, 0, 2, 64) == 2**20  # never below 1 MiB
+    monkeypatch.setattr(chunks, "last_level_cache", lambda: 2**30)
+    assert vote_chunk_bytes(cpu, 0, 2, 1) == 16 * 2**20  # nor above 16 MiB
+    assert vote_chunk_bytes(cpu, 700, 2, 2) == 700  # a module's fixed size wins
+    assert vote_chunk_bytes(torch.empty(1, device="meta"), 700, 2, 2) == 64 * 2**20

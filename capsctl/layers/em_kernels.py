@@ -33,17 +33,19 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
+from capsctl.layers.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 
-# Bytes of votes per chunk of parent sites (the chunk's buffers are about four times this).
-EM_CHUNK_BYTES = 4 * 2**20
+# Bytes of votes per chunk of parent sites on a CPU; 0 (the default): an equal share of the
+# last-level cache for the EM_BUFFERS chunk-sized buffers of every thread (chunks.py).
+EM_CHUNK_BYTES = 0
+EM_BUFFERS = 4  # shifted votes and their squares, and a scratch of the same size
 
 _CHUNK = {"sites": 0}
 
 
 @contextlib.contextmanager
 def em_chunk_sites(sites: int) -> Iterator[None]:
-    """Route ``sites`` parent sites per chunk inside the block (tests; 0: by ``EM_CHUNK_BYTES``)."""
+    """Route ``sites`` parent sites per chunk inside the block (tests; 0: by the chunk budget)."""
     before = _CHUNK["sites"]
     _CHUNK["sites"] = sites
     try:
@@ -52,10 +54,10 @@ def em_chunk_sites(sites: int) -> Iterator[None]:
         _CHUNK["sites"] = before
 
 
-def _chunk_sites(bsz: int, per_site: int, budget: int = EM_CHUNK_BYTES, workers: int = 1) -> int:
-    """Sites per chunk: the override, else as many as ``budget`` bytes of votes hold
-    (``EM_CHUNK_BYTES`` on a CPU; capsctl/layers/chunks.py) and at least one chunk per thread
-    sharing them (``workers``), in chunks of equal size (no short last one)."""
+def _chunk_sites(bsz: int, per_site: int, budget: int, workers: int = 1) -> int:
+    """Sites per chunk: the override, else as many as ``budget`` bytes of votes hold and at
+    least one chunk per thread sharing them (``workers``), in chunks of equal size (no short
+    last one)."""
     bc = _CHUNK["sites"] or max(1, min(budget // max(1, per_site), -(-bsz // max(1, workers))))
     bc = max(1, min(bsz, bc))
     return -(-bsz // -(-bsz // bc))
@@ -88,7 +90,8 @@ class _Votes:
         self.d, self.m = shift.shape[1], shift.shape[2]
         per_site = j * self.d * self.m * x.element_size()
         workers = site_workers(x)
-        self.bc = _chunk_sites(bsz, per_site, chunk_bytes(x, EM_CHUNK_BYTES), workers)
+        budget = vote_chunk_bytes(x, EM_CHUNK_BYTES, EM_BUFFERS, workers)
+        self.bc = _chunk_sites(bsz, per_site, budget, workers)
         self.spans = site_spans(bsz, self.bc, workers)
 
     def run(self, body: Callable[[int, tuple[Tensor, Tensor], int, int], None]) -> None:

@@ -55,7 +55,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
+from capsctl.layers.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.vote_tiles import (
     _Chunk,
@@ -66,8 +66,15 @@ from capsctl.layers.vote_tiles import (
     _vote_backward,
 )
 
-# Bytes of vote chunk per step on a CPU, to stay in the last-level cache (accelerators: chunks.py).
-CHUNK_BYTES = 2 * 2**20
+# Bytes of votes per chunk on a CPU; 0 (the default): an equal share of the last-level cache
+# for the TILE_BUFFERS chunk-sized buffers of every thread (capsctl/layers/chunks.py).
+CHUNK_BYTES = 0
+TILE_BUFFERS = 2  # the votes and a product of the same size (vote_tiles._Chunk)
+
+
+def tile_budget(x: Tensor, workers: int) -> int:
+    """Bytes of votes per tile of a pass over ``x``'s sites shared by ``workers`` threads."""
+    return vote_chunk_bytes(x, CHUNK_BYTES, TILE_BUFFERS, workers)
 
 
 def _tiles(
@@ -76,18 +83,19 @@ def _tiles(
     m: int,
     d: int,
     itemsize: int,
+    *,
+    budget: int,
     sites: int | None = None,
-    budget: int = 0,
     workers: int = 1,
 ) -> tuple[int, int]:
-    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``budget`` bytes
-    (0: ``CHUNK_BYTES``; capsctl/layers/chunks.py); ``sites``: ``Bc`` given, for tests;
-    ``workers``: threads that will share the chunks of sites (at least that many chunks).
+    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``budget``
+    bytes; ``sites``: ``Bc`` given, for tests; ``workers``: threads that will share the chunks
+    of sites (at least that many chunks).
 
     Whole rows of sites come first: the votes of one child at many sites are one tall matrix
     product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
     """
-    per_site, budget = max(1, m * d * itemsize), budget or CHUNK_BYTES
+    per_site = max(1, m * d * itemsize)
     bc = max(1, min(bsz, sites or budget // per_site, -(-bsz // max(1, workers))))
     bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
     jc = max(1, min(j, budget // (per_site * bc)))
@@ -113,7 +121,7 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
     workers = site_workers(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), None, chunk_bytes(x, CHUNK_BYTES), workers)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x, workers), workers=workers)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -172,7 +180,7 @@ def _chunked_backward(
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
     workers = site_workers(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), None, chunk_bytes(x, CHUNK_BYTES), workers)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x, workers), workers=workers)
     spans = site_spans(bsz, bc, workers)
     acc = _Gradients(x, wc, d, m, bc, jc, needs, len(spans))
     wcs = wc.split(jc)  # [Jc, x, c*m] each (per-child operands split once)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from capsctl.layers.chunks import chunk_bytes, run_spans, site_spans, site_workers
+from capsctl.layers.chunks import run_spans, site_spans, site_workers
 from capsctl.layers.flops import add_routing_flops
-from capsctl.layers.routing import _DENSE, CHUNK_BYTES, _tiles
+from capsctl.layers.routing import _DENSE, _tiles, tile_budget
 from capsctl.layers.vote_tiles import (
     _Chunk,
     _Gradients,
@@ -34,8 +34,8 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     x, wc = _prepare(x, w)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     workers = site_workers(x)
-    budget = chunk_bytes(x, CHUNK_BYTES)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, budget, workers)
+    budget = tile_budget(x, workers)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -61,8 +61,8 @@ def _weighted_backward(
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
     workers = site_workers(x)
-    budget = chunk_bytes(x, CHUNK_BYTES)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), sites, budget, workers)
+    budget = tile_budget(x, workers)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
     spans = site_spans(bsz, bc, workers)
     acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]
@@ -123,7 +123,8 @@ def weighted_pass(x: Tensor, w: Tensor, r: Tensor, sites: int | None = None) -> 
     """The votes of ``x[J, B, a, x]`` under ``w[J, x, m, c]`` summed over the children with the
     coefficients ``r[J, B, m]``: ``S[B, m, a, c] = sum_J R V``, differentiable in all three, the
     votes never kept (for routings whose coefficients do not depend on the votes, such as
-    self-routing). ``sites``: parent sites per tile (None: by ``CHUNK_BYTES``)."""
+    self-routing). ``sites``: parent sites per tile (None: by
+    ``capsctl.layers.routing.tile_budget``)."""
     j, bsz, a, _ = x.shape
     add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
     if _DENSE["on"] or torch.compiler.is_compiling():
