@@ -16,7 +16,10 @@ matrix (``a = s`` rows for matrix poses, ``a = 1`` for vectors), a weight is ``x
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +113,7 @@ class CapsuleLayer(nn.Module):
         self._init_std = math.sqrt(out_types / (self.cols_in * fan))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.norm: nn.Module = nn.LayerNorm(out_dim) if layer_norm else nn.Identity()
+        self._memo: dict[str, Any] | None = None  # see same_children
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -117,6 +121,18 @@ class CapsuleLayer(nn.Module):
             self.weight.normal_(0.0, self._init_std)
         if isinstance(self.norm, nn.LayerNorm):
             self.norm.reset_parameters()
+
+    @contextlib.contextmanager
+    def same_children(self) -> Iterator[None]:
+        """Inside the block, routed passes of this layer over one child tensor share the
+        layout copy of its children (conv layers: every window's poses, ``J*B*d`` numbers) and,
+        in the backward pass, one gradient of it: for schedules that route a layer's children
+        several times (sequential T >= 3, dynamic routing)."""
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
 
     def finish(self, s: Tensor) -> Tensor:
         """Dropout then LayerNorm over the pose entries (last dim)."""
@@ -266,7 +282,17 @@ class ConvCapsules(CapsuleLayer):
         return y.view(b, h, w, m, self.out_dim)  # [b, h, w, m, d]
 
     def _windows(self, child: Tensor) -> tuple[Tensor, int, int]:
-        """Child poses of every window as ``X[J=(k,l,n), B=(b,h,w), a, x]``."""
+        """Child poses of every window as ``X[J=(k,l,n), B=(b,h,w), a, x]`` (inside
+        :meth:`same_children`, copied once per child tensor)."""
+        memo = self._memo
+        if memo is not None and memo.get("child") is child:
+            return memo["windows"]
+        windows = self._window_copy(child)
+        if memo is not None:
+            memo.update(child=child, windows=windows)
+        return windows
+
+    def _window_copy(self, child: Tensor) -> tuple[Tensor, int, int]:
         b, _, _, n, _ = child.shape
         k, st = self.kernel, self.stride
         win = child.unfold(1, k, st).unfold(2, k, st)  # [b, h, w, n, d, k, l]

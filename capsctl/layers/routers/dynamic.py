@@ -54,13 +54,14 @@ def route_by_agreement(layer: CapsuleLayer, caps: Capsules, iterations: int) -> 
     v = squash(layer.uniform_sum(child))  # [b, (h, w,) m, d]
     out = LayerRouting(Capsules(v), [layer.uniform_coefficients(child)], [v])
     total = v
-    for t in range(1, iterations):
-        s, coeff = layer.routed_sum(child, total, 1.0)
-        v = squash(s)
-        out.coefficients.append(coeff)
-        out.poses.append(v)
-        if t + 1 < iterations:
-            total = total + v
+    with layer.same_children():
+        for t in range(1, iterations):
+            s, coeff = layer.routed_sum(child, total, 1.0)
+            v = squash(s)
+            out.coefficients.append(coeff)
+            out.poses.append(v)
+            if t + 1 < iterations:
+                total = total + v
     out.capsules = Capsules(v)
     return out
 

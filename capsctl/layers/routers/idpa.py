@@ -50,10 +50,11 @@ def sequential_layer(layer: CapsuleLayer, caps: Capsules, iterations: int) -> La
     child = caps.poses
     parent = layer.uniform(child)
     out = LayerRouting(Capsules(parent), [layer.uniform_coefficients(child)], [parent])
-    for _ in range(2, iterations + 1):
-        parent, coeff = layer.route(child, parent)
-        out.coefficients.append(coeff)
-        out.poses.append(parent)
+    with layer.same_children():
+        for _ in range(2, iterations + 1):
+            parent, coeff = layer.route(child, parent)
+            out.coefficients.append(coeff)
+            out.poses.append(parent)
     out.capsules = Capsules(parent)
     return out
 
