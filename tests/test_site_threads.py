@@ -80,7 +80,8 @@ def _em(xs, w, p, r):  # noqa: ANN001, ANN202
     m, c = w.shape[2], w.shape[3]
     wc = w.permute(0, 1, 3, 2).reshape(j, x, c * m)  # [J, x, c*m]
     shift = torch.zeros(b, a * c, m)  # [B, d, m]
-    moments = VoteMoments.apply(r, xs, wc, shift)  # [2, B, d, m]
+    act = torch.rand(b, j, generator=torch.Generator().manual_seed(2))  # [B, J]
+    moments = VoteMoments.apply(r.permute(1, 2, 0), act, xs, wc, shift)  # [2, B, d, m]
     quad = VoteQuad.apply(moments.detach(), xs, wc, shift)  # [J, B, m]
     return moments.sum() + quad.sum(), (xs, w, r)
 

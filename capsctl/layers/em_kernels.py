@@ -4,7 +4,8 @@ EM routing (Hinton, Sabour, Frosst, "Matrix capsules with EM routing", ICLR 2018
 votes ``V_ij = X_i W_ij`` in two places only, both linear in a coefficient-sized operand:
 
 - the M-step's moments ``S1[B, m, d] = sum_J r V'`` and ``S2 = sum_J r V'^2``
-  (:class:`VoteMoments`, operand ``r[B, m, J]``), and
+  (:class:`VoteMoments`, operand ``r[B, m, J]``, the assignments times the child activations,
+  formed chunk by chunk), and
 - the E-step's quadratic form ``Q[B, m, J] = sum_d (q V' + p V'^2)``
   (:class:`VoteQuad`, operands ``q, p[B, m, d]``),
 
@@ -21,7 +22,8 @@ the child poses) for the backward pass, which builds each chunk's votes again.
 
 Letters as in capsctl/layers/routing.py. Layouts inside: child poses ``x[J, B, a, x]``, weights
 ``wc[J, x, c*m]`` (parent type innermost), shift ``[B, d, m]``, a chunk of votes and squared
-votes ``U[2, J, Bc, d, m]`` (``d = (a, c)``), coefficients ``[J, B, m]``.
+votes ``U[2, J, Bc, d, m]`` (``d = (a, c)``), coefficients ``[J, Bc, m]`` per chunk (``[B, m, J]``
+as inputs and outputs).
 """
 
 from __future__ import annotations
@@ -153,60 +155,75 @@ def _sum_gw(gws: list[Tensor]) -> Tensor | None:
     return gws[0] if gws else None
 
 
+def _weighted(r: Tensor, a: Tensor, b0: int, b1: int) -> Tensor:
+    """``r a`` at sites ``b0:b1`` in the chunk layout: ``r[B, m, J]``, ``a[B, J]`` ->
+    ``[J, Bc, m]`` (1/d of a vote chunk's size)."""
+    return (r[b0:b1] * a[b0:b1].unsqueeze(1)).permute(2, 0, 1).contiguous()  # [J, Bc, m]
+
+
 class VoteMoments(torch.autograd.Function):
-    """``(r[J, B, m], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
-    ``S[2, B, d, m]``: ``sum_J r (V - s)`` and ``sum_J r (V - s)^2``. Saves no vote-sized tensor."""
+    """``(r[B, m, J], a[B, J], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
+    ``S[2, B, d, m]``: ``sum_J r a (V - s)`` and ``sum_J r a (V - s)^2``, the M-step's moments
+    with the assignments ``r`` weighted by the child activations ``a``. Saves no vote-sized
+    tensor, and nothing of ``r``'s size but ``r`` itself: ``r a`` is formed chunk by chunk, in
+    the forward and again in the backward pass."""
 
     @staticmethod
-    def forward(ctx, r: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, r: Tensor, a: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
         votes = _Votes(x, wc, shift)
         out = x.new_empty(2, x.shape[1], votes.d, votes.m)  # [2, B, d, m]
 
         def chunk(_: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
-            out[:, b0:b1] = votes.moments(bufs, u, r[:, b0:b1])  # [2, Bc, d, m]
+            out[:, b0:b1] = votes.moments(bufs, u, _weighted(r, a, b0, b1))  # [2, Bc, d, m]
 
         votes.run(chunk)
-        ctx.save_for_backward(r, x, wc, shift)
+        ctx.save_for_backward(r, a, x, wc, shift)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        r, x, wc, shift = ctx.saved_tensors
+        r, a, x, wc, shift = ctx.saved_tensors
         votes = _Votes(x, wc, shift)
-        gr = torch.empty_like(r) if ctx.needs_input_grad[0] else None  # [J, B, m]
-        gx, gws = _grad_buffers(votes, ctx.needs_input_grad[1:3])
+        gr = r.new_empty(r.shape) if ctx.needs_input_grad[0] else None  # [B, m, J]
+        ga = torch.empty_like(a) if ctx.needs_input_grad[1] else None  # [B, J]
+        gx, gws = _grad_buffers(votes, ctx.needs_input_grad[2:4])
         gs = gs.contiguous()  # [2, B, d, m]
 
         def chunk(i: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
-            gsc, rc = gs[:, b0:b1], r[:, b0:b1]  # [2, Bc, d, m], [J, Bc, m]
-            if gr is not None:
-                gr[:, b0:b1] = votes.quad(bufs, u, gsc)  # [J, Bc, m]
+            gsc = gs[:, b0:b1]  # [2, Bc, d, m]
+            if gr is not None or ga is not None:
+                gra = votes.quad(bufs, u, gsc).permute(1, 2, 0)  # [J, Bc, m] -> [Bc, m, J]
+                if gr is not None:
+                    torch.mul(gra, a[b0:b1].unsqueeze(1), out=gr[b0:b1])  # [Bc, m, J]
+                if ga is not None:
+                    ga[b0:b1] = (gra * r[b0:b1]).sum(1)  # [Bc, J]
             if gx is None and not gws:
                 return
             dv = torch.addcmul(gsc[0], u[0], gsc[1], value=2.0, out=u[1])  # [J, Bc, d, m]
-            dv.mul_(rc.unsqueeze(2))  # [J, Bc, d, m]
+            dv.mul_(_weighted(r, a, b0, b1).unsqueeze(2))  # [J, Bc, d, m]
             votes.backprop(dv, b0, b1, gx, gws[i] if gws else None)
 
         votes.run(chunk)
-        return gr, gx, _sum_gw(gws), None
+        return gr, ga, gx, _sum_gw(gws), None
 
 
 class VoteQuad(torch.autograd.Function):
     """``(qp[2, B, d, m], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
-    ``Q[J, B, m] = sum_d (q (V - s) + p (V - s)^2)``. Saves no vote-sized tensor."""
+    ``Q[B, m, J] = sum_d (q (V - s) + p (V - s)^2)``, in the assignments' layout (each chunk's
+    ``[J, Bc, m]`` is written transposed). Saves no vote-sized tensor."""
 
     @staticmethod
     def forward(ctx, qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
         votes = _Votes(x, wc, shift)
         qp = qp.contiguous()  # [2, B, d, m]
-        out = x.new_empty(x.shape[0], x.shape[1], votes.m)  # [J, B, m]
+        out = x.new_empty(x.shape[1], votes.m, x.shape[0])  # [B, m, J]
 
         def chunk(_: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
-            out[:, b0:b1] = votes.quad(bufs, u, qp[:, b0:b1])  # [J, Bc, m]
+            out[b0:b1] = votes.quad(bufs, u, qp[:, b0:b1]).permute(1, 2, 0)  # [Bc, m, J]
 
         votes.run(chunk)
         ctx.save_for_backward(qp, x, wc, shift)
@@ -219,11 +236,11 @@ class VoteQuad(torch.autograd.Function):
         votes = _Votes(x, wc, shift)
         gqp = torch.empty_like(qp) if ctx.needs_input_grad[0] else None  # [2, B, d, m]
         gx, gws = _grad_buffers(votes, ctx.needs_input_grad[1:3])
-        gq = gq.contiguous()  # [J, B, m]
 
         def chunk(i: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
-            gqc, qpc = gq[:, b0:b1], qp[:, b0:b1]  # [J, Bc, m], [2, Bc, d, m]
+            gqc = gq[b0:b1].permute(2, 0, 1).contiguous()  # [Bc, m, J] -> [J, Bc, m]
+            qpc = qp[:, b0:b1]  # [2, Bc, d, m]
             if gqp is not None:
                 gqp[:, b0:b1] = votes.moments(bufs, u, gqc)  # [2, Bc, d, m]
             if gx is None and not gws:

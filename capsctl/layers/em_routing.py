@@ -12,15 +12,17 @@ standardization, routing conv windows separately) are knobs, off by default.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from capsctl.layers.baseline_capsules import BaselineCapsules
 from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
-from capsctl.layers.em_windows import WindowGrid, softmax_over_parents
+from capsctl.layers.em_windows import WindowGrid, e_step, softmax_over_parents
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE
 
@@ -131,7 +133,7 @@ def em_routing(
 def _first_assignment(like: Tensor, bsz: int, m: int, j: int, grid: WindowGrid | None) -> Tensor:
     """``R[B, m, J]`` of the first M-step: uniform over the parents each child votes for."""
     if grid is None:
-        return like.new_full((bsz, m, j), 1.0 / m)  # [B, m, J]
+        return like.new_full((bsz, m, 1), 1.0 / m).expand(bsz, m, j)  # [B, m, J]
     windows = grid.sum_overwindow_sites(like.new_ones(bsz, j))  # [B, J]
     return (1.0 / (m * windows)).unsqueeze(1).expand(bsz, m, j)  # [B, m, J]
 
@@ -206,25 +208,57 @@ def em_routing_chunked(
     acts: list[Tensor] = []
     for t in range(iterations):
         rs.append(r)
-        ra = r * a_in.unsqueeze(1)  # [B, m, J]
-        mass = ra.sum(-1, keepdim=True)  # [B, m, 1]
-        inv = 1.0 / (mass + EM_EPS)  # [B, m, 1]
-        s = VoteMoments.apply(ra.permute(2, 0, 1).contiguous(), x, wc, shift)  # [2, B, d, m]
-        m1, m2 = s[0].transpose(1, 2) * inv, s[1].transpose(1, 2) * inv  # [B, m, d] each
-        sw = mass * inv  # [B, m, 1]
-        delta = m1 + s_bm * (sw - 1.0)  # [B, m, d]; mu - s
-        mus.append(s_bm + delta)  # [B, m, d]
-        var = m2 - 2.0 * delta * m1 + delta * delta * sw + EM_VAR_EPS  # [B, m, d]
-        log_var = torch.log(var)  # [B, m, d]
-        pre = _pre_activation(mass, log_var, beta_u, beta_a, final_lambda, t, standardize_costs)
-        acts.append(torch.sigmoid(pre))  # [B, m]
+        mass = r @ a_in.unsqueeze(-1)  # [B, m, J] @ [B, J, 1] -> [B, m, 1]; sum_J R a
+        s = VoteMoments.apply(r, a_in, x, wc, shift)  # [2, B, d, m]; R a formed chunk by chunk
+        step = functools.partial(
+            _m_step, final_lambda=final_lambda, t=t, standardize=standardize_costs
+        )
+        ins = (s, mass, s_bm, beta_u, beta_a)
+        if torch.is_grad_enabled():  # keep the inputs, recompute the parent-sized rest
+            outs = checkpoint(step, *ins, use_reentrant=False, preserve_rng_state=False)
+        else:
+            outs = step(*ins)
+        mu, act, qp, c = outs
+        mus.append(mu)
+        acts.append(act)
         if t + 1 < iterations:
-            inv_var = 1.0 / var  # [B, m, d]
-            qp = torch.stack((-2.0 * delta * inv_var, inv_var)).transpose(2, 3)  # [2, B, d, m]
-            quad = VoteQuad.apply(qp, x, wc, shift).permute(1, 2, 0)  # [J, B, m] -> [B, m, J]
-            maha = quad + (delta * delta * inv_var).sum(-1, keepdim=True)  # [B, m, J]
-            r = _e_step(maha, log_var, pre, grid)  # [B, m, J]
+            r = e_step(VoteQuad.apply(qp, x, wc, shift), c, grid)  # [B, m, J]
     return mus[-1], acts[-1], rs, mus, acts
+
+
+def _m_step(
+    s: Tensor,
+    mass: Tensor,
+    s_bm: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    *,
+    final_lambda: float,
+    t: int,
+    standardize: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The parent-sized rest of an M-step and the E-step's per-parent terms, from the moments
+    about the shift ``s_bm[B, m, d]`` (``s[2, B, d, m]``, :class:`VoteMoments`) and
+    ``mass[B, m, 1]``: the means ``mu[B, m, d]``, the activations ``[B, m]``, the operands
+    ``qp[2, B, d, m]`` of :class:`VoteQuad` and ``c[B, m, 1]``, the part of ``log a_j +
+    log p_ij`` that does not depend on the child (``log a_j``, the Gaussian's normalizer and the
+    constant term ``sum_h delta^2 / sigma^2`` of the quadratic form; see
+    :func:`em_routing_chunked` and :class:`~capsctl.layers.em_windows.EStep`). Cheap next to the
+    vote-sized passes, so the chunked routing recomputes it in the backward pass instead of
+    keeping its dozen intermediates."""
+    inv = 1.0 / (mass + EM_EPS)  # [B, m, 1]
+    m1, m2 = s[0].transpose(1, 2) * inv, s[1].transpose(1, 2) * inv  # [B, m, d] each
+    sw = mass * inv  # [B, m, 1]
+    delta = m1 + s_bm * (sw - 1.0)  # [B, m, d]; mu - s
+    var = m2 - 2.0 * delta * m1 + delta * delta * sw + EM_VAR_EPS  # [B, m, d]
+    log_var = torch.log(var)  # [B, m, d]
+    pre = _pre_activation(mass, log_var, beta_u, beta_a, final_lambda, t, standardize)  # [B, m]
+    inv_var = 1.0 / var  # [B, m, d]
+    qp = torch.stack((-2.0 * delta * inv_var, inv_var)).transpose(2, 3)  # [2, B, d, m]
+    offset = (delta * delta * inv_var).sum(-1, keepdim=True)  # [B, m, 1]
+    log_norm = 0.5 * (log_var + math.log(2.0 * math.pi)).sum(-1, keepdim=True)  # [B, m, 1]
+    c = F.logsigmoid(pre).unsqueeze(-1) - 0.5 * offset - log_norm  # [B, m, 1]
+    return s_bm + delta, torch.sigmoid(pre), qp, c
 
 
 class EMCapsules(BaselineCapsules):
