@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from capsctl.errors import UsageError
 from capsctl.layers import chunks
 from capsctl.layers.chunks import chunk_bytes, last_level_cache, vote_chunk_bytes
 from capsctl.layers.routing import _tiles
@@ -53,15 +54,43 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path) -> None:
     assert last_level_cache(str(tmp_path / "none")) == 16 * 2**20
 
 
-def test_a_cpu_chunk_is_an_equal_share_of_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_chunk_is_a_sixteenth_of_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CAPSCTL_CHUNK_MIB", raising=False)
+    cpu = torch.empty(1)
+    monkeypatch.setattr(chunks, "last_level_cache", lambda: 32 * 2**20)
+    assert vote_chunk_bytes(cpu) == 2 * 2**20
+    monkeypatch.setattr(chunks, "last_level_cache", lambda: 8 * 2**20)
+    assert vote_chunk_bytes(cpu) == 2**20  # never below 1 MiB
+    monkeypatch.setattr(chunks, "last_level_cache", lambda: 2**30)
+    assert vote_chunk_bytes(cpu) == 16 * 2**20  # nor above 16 MiB
+    assert vote_chunk_bytes(cpu, 700) == 700  # a module's fixed size wins
+    assert vote_chunk_bytes(torch.empty(1, device="meta"), 700) == 64 * 2**20
+
+
+def test_the_environment_sets_a_cpu_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chunks, "last_level_cache", lambda: 32 * 2**20)
     cpu = torch.empty(1)
-    # 2 threads with 2 chunk-sized buffers each share a 32 MiB cache: 8 MiB chunks
-    assert vote_chunk_bytes(cpu, 0, 2, 2) == 8 * 2**20
-    assert vote_chunk_bytes(cpu, 0, 4, 2) == 4 * 2**20
-    assert vote_chunk_bytes(cpu, 0, 2, 1) == 16 * 2**20
-    assert vote_chunk_bytes(cpu, 0, 2, 64) == 2**20  # never below 1 MiB
-    monkeypatch.setattr(chunks, "last_level_cache", lambda: 2**30)
-    assert vote_chunk_bytes(cpu, 0, 2, 1) == 16 * 2**20  # nor above 16 MiB
-    assert vote_chunk_bytes(cpu, 700, 2, 2) == 700  # a module's fixed size wins
-    assert vote_chunk_bytes(torch.empty(1, device="meta"), 700, 2, 2) == 64 * 2**20
+    monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "8")
+    assert vote_chunk_bytes(cpu) == 8 * 2**20
+    monkeypatch.setenv("CAPSCTL_CHUNK_MIB", " 0.5 ")
+    assert vote_chunk_bytes(cpu) == 2**19  # the user's choice, not clamped
+    assert vote_chunk_bytes(cpu, 700) == 700
+    assert vote_chunk_bytes(torch.empty(1, device="meta")) == 64 * 2**20  # CPU only
+    for bad in ("0", "-2", "lots", "inf", "nan"):
+        monkeypatch.setenv("CAPSCTL_CHUNK_MIB", bad)
+        with pytest.raises(UsageError, match="CAPSCTL_CHUNK_MIB must be a positive number"):
+            vote_chunk_bytes(cpu)
+
+
+def test_the_environment_changes_the_tiles_of_a_routed_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The routed pass takes its budget from the variable (fewer sites per tile when small)."""
+    from capsctl.layers import routing
+
+    monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "64")
+    x = torch.empty(1)
+    big = routing._tiles(288, 1568, 32, 16, 4, budget=routing.tile_budget(x))
+    monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "1")
+    small = routing._tiles(288, 1568, 32, 16, 4, budget=routing.tile_budget(x))
+    assert small[0] * small[1] < big[0] * big[1]

@@ -297,3 +297,12 @@ def test_compare_json_and_suite(
     assert {"cifar10-dynamic", "cifar10-em", "cifar100-cnn-simple", "resnet18"} <= set(seen[0])
     code, _, err = run(capsys, "compare", "--suite", "nope")
     assert code == 2 and "unknown" in err
+
+
+def test_a_bad_chunk_size_in_the_environment_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "lots")
+    code, _, err = run(capsys, "bench", "mnist-caps", "--batch-size", "2", "--iters", "1")
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()] and "CAPSCTL_CHUNK_MIB" in err

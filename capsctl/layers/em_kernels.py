@@ -37,10 +37,8 @@ from torch.autograd.function import once_differentiable
 
 from capsctl.layers.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 
-# Bytes of votes per chunk of parent sites on a CPU; 0 (the default): an equal share of the
-# last-level cache for the EM_BUFFERS chunk-sized buffers of every thread (chunks.py).
+# Bytes of votes per chunk of parent sites on a CPU; 0 (the default): chunks.py decides.
 EM_CHUNK_BYTES = 0
-EM_BUFFERS = 4  # shifted votes and their squares, and a scratch of the same size
 
 _CHUNK = {"sites": 0}
 
@@ -92,7 +90,7 @@ class _Votes:
         self.d, self.m = shift.shape[1], shift.shape[2]
         per_site = j * self.d * self.m * x.element_size()
         workers = site_workers(x)
-        budget = vote_chunk_bytes(x, EM_CHUNK_BYTES, EM_BUFFERS, workers)
+        budget = vote_chunk_bytes(x, EM_CHUNK_BYTES)
         self.bc = _chunk_sites(bsz, per_site, budget, workers)
         self.spans = site_spans(bsz, self.bc, workers)
 

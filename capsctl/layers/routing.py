@@ -66,15 +66,13 @@ from capsctl.layers.vote_tiles import (
     _vote_backward,
 )
 
-# Bytes of votes per chunk on a CPU; 0 (the default): an equal share of the last-level cache
-# for the TILE_BUFFERS chunk-sized buffers of every thread (capsctl/layers/chunks.py).
+# Bytes of votes per chunk on a CPU; 0 (the default): capsctl/layers/chunks.py decides.
 CHUNK_BYTES = 0
-TILE_BUFFERS = 2  # the votes and a product of the same size (vote_tiles._Chunk)
 
 
-def tile_budget(x: Tensor, workers: int) -> int:
-    """Bytes of votes per tile of a pass over ``x``'s sites shared by ``workers`` threads."""
-    return vote_chunk_bytes(x, CHUNK_BYTES, TILE_BUFFERS, workers)
+def tile_budget(x: Tensor) -> int:
+    """Bytes of votes per tile of a pass over ``x``'s sites."""
+    return vote_chunk_bytes(x, CHUNK_BYTES)
 
 
 def _tiles(
@@ -121,7 +119,7 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
     workers = site_workers(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x, workers), workers=workers)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x), workers=workers)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -180,7 +178,7 @@ def _chunked_backward(
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
     workers = site_workers(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x, workers), workers=workers)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x), workers=workers)
     spans = site_spans(bsz, bc, workers)
     acc = _Gradients(x, wc, d, m, bc, jc, needs, len(spans))
     wcs = wc.split(jc)  # [Jc, x, c*m] each (per-child operands split once)

@@ -34,7 +34,7 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     x, wc = _prepare(x, w)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     workers = site_workers(x)
-    budget = tile_budget(x, workers)
+    budget = tile_budget(x)
     jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
@@ -61,7 +61,7 @@ def _weighted_backward(
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
     workers = site_workers(x)
-    budget = tile_budget(x, workers)
+    budget = tile_budget(x)
     jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
     spans = site_spans(bsz, bc, workers)
     acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
