@@ -9,6 +9,8 @@ line; tests/test_routing_baselines.py checks it against loops written from the p
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -91,15 +93,24 @@ def test_chunked_matches_dense_in_float32() -> None:
     torch.testing.assert_close(a_c, a_d, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["fc", "conv"])
-def test_no_vote_sized_tensor_is_saved(kind: str) -> None:
-    torch.manual_seed(6)
+def _saving_case(
+    kind: str, seed: int
+) -> tuple[EMCapsules, torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """A layer of 6 child types routed to 5 parent types (conv: 3x3 kernel over a 6x6 grid, so
+    4x4 sites of 54 children), batch 2, and its sizes ``(B, m, J)``."""
+    torch.manual_seed(seed)
     n, m = 6, 5
     kw = {"kernel": 3, "stride": 1} if kind == "conv" else {}
     layer = _layer(kind, n, m, **kw)
     pose, act = _inputs(kind, n, b=2, side=6)
     sites = 2 * 4 * 4 if kind == "conv" else 2  # B
     children = n * 9 if kind == "conv" else n  # J
+    return layer, pose, act, (sites, m, children)
+
+
+@pytest.mark.parametrize("kind", ["fc", "conv"])
+def test_no_vote_sized_tensor_is_saved(kind: str) -> None:
+    layer, pose, act, (sites, m, children) = _saving_case(kind, seed=6)
     vote_elems = sites * m * children * 4  # B * m * J * d
     saved: list[int] = []
 
@@ -132,13 +143,7 @@ def test_one_assignment_sized_tensor_is_saved_per_e_step(kind: str) -> None:
     """Per iteration the backward keeps the assignments ``R[B, m, J]`` and nothing else of
     their size: ``R a`` is formed chunk by chunk inside the moments, not saved in a second
     layout (at batch 128 that copy was about 1 GB of cifar10-em-simple's saved tensors)."""
-    torch.manual_seed(8)
-    n, m = 6, 5
-    kw = {"kernel": 3, "stride": 1} if kind == "conv" else {}
-    layer = _layer(kind, n, m, **kw)
-    pose, act = _inputs(kind, n, b=2, side=6)
-    sites = 2 * 4 * 4 if kind == "conv" else 2  # B
-    children = n * 9 if kind == "conv" else n  # J
+    layer, pose, act, (sites, m, children) = _saving_case(kind, seed=8)
     coefficient_bytes = sites * m * children * 8  # B * m * J float64 entries
     storages: set[int] = set()
 
@@ -151,3 +156,31 @@ def test_one_assignment_sized_tensor_is_saved_per_e_step(kind: str) -> None:
         layer.route(pose, act, ITERATIONS)
     # the first R is uniform (an expanded row); the E-steps make ITERATIONS - 1 more
     assert len(storages) == ITERATIONS - 1, len(storages)
+
+
+@pytest.mark.parametrize("kind", ["fc", "conv"])
+def test_the_m_step_is_recomputed_not_saved(kind: str) -> None:
+    """The M-step's parent-sized intermediates (means, variances, their logs and inverses,
+    about a dozen ``[B, m, d]`` tensors per iteration) are recomputed in the backward pass."""
+    layer, pose, act, (sites, m, _) = _saving_case(kind, seed=9)
+    parent_elems = sites * m * 4  # B * m * d
+    counts = []
+    for dense in (False, True):
+        storages: set[int] = set()
+
+        def pack(t: torch.Tensor, storages: set[int] = storages) -> torch.Tensor:
+            if t.numel() == parent_elems:
+                storages.add(t.untyped_storage().data_ptr())
+            return t
+
+        with contextlib.ExitStack() as stack:
+            if dense:
+                stack.enter_context(dense_routing())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            mu, a_out, _, _, _ = layer.route(pose, act, ITERATIONS)
+        counts.append(len(storages))
+    assert counts[1] >= 2 * ITERATIONS, counts  # the check sees the dense path's intermediates
+    # chunked: only the votes' shift s[B, d, m], a constant the moments are taken about
+    assert counts[0] == 1, counts
+    (mu.sum() + a_out.sum()).backward()  # and the recomputation runs
+    assert layer.beta_u.grad is not None and layer.beta_a.grad is not None
