@@ -30,6 +30,7 @@ accumulator per thread, added up in a fixed order, so results do not depend on t
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from capsctl.errors import UsageError
 __all__ = [
     "CHUNK_ENV",
     "DEVICE_CHUNK_BYTES",
+    "THREADS_ENV",
     "chunk_bytes",
     "last_level_cache",
     "run_spans",
@@ -63,6 +65,8 @@ MIN_CPU_CHUNK, MAX_CPU_CHUNK = 2**20, 16 * 2**20
 CACHE_FRACTION = 16
 #: Environment variable: MiB of votes per chunk on a CPU, instead of the cache's share.
 CHUNK_ENV = "CAPSCTL_CHUNK_MIB"
+#: Environment variable: threads that share a pass's chunks on a CPU (see site_workers).
+THREADS_ENV = "CAPSCTL_ROUTING_THREADS"
 
 
 def chunk_bytes(like: Tensor, cpu_bytes: int) -> int:
@@ -105,7 +109,7 @@ def vote_chunk_bytes(like: Tensor, fixed: int = 0) -> int:
             mib = float(env)
         except ValueError:
             mib = 0.0
-        if not mib > 0 or mib == float("inf"):
+        if not (math.isfinite(mib) and mib > 0):
             raise UsageError(f"{CHUNK_ENV} must be a positive number of MiB, got {env!r}")
         return max(1, int(mib * 2**20))
     share = last_level_cache() // CACHE_FRACTION
@@ -139,7 +143,7 @@ def site_workers(like: Tensor) -> int:
     """
     if like.device.type != "cpu" or getattr(_WORKER, "active", False):
         return 1
-    env = os.environ.get("CAPSCTL_ROUTING_THREADS", "").strip()
+    env = os.environ.get(THREADS_ENV, "").strip()
     n = int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()
     return max(1, n)
 

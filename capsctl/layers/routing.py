@@ -109,6 +109,19 @@ def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tupl
     return s, r
 
 
+def _plan(
+    x: Tensor, m: int, d: int, sites: int | None = None
+) -> tuple[int, int, list[tuple[int, int]]]:
+    """``(Jc, Bc, spans)`` of a chunked pass over ``x[J, B, a, x]`` with ``m`` parents of
+    ``d`` entries: the tile shape within :func:`tile_budget` and the runs of sites of the
+    threads that share the tiles (capsctl/layers/chunks.py); ``sites``: ``Bc`` given (tests)."""
+    j, bsz = x.shape[0], x.shape[1]
+    workers = site_workers(x)
+    budget = tile_budget(x)
+    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
+    return jc, bc, site_spans(bsz, bc, workers)
+
+
 def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """``S[B, m, a, c]`` and ``R[J, B, m]``, tile by tile (no autograd)."""
     j, bsz, a, _ = x.shape
@@ -118,8 +131,7 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     pq = _site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
-    workers = site_workers(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x), workers=workers)
+    jc, bc, spans = _plan(x, m, d)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -133,7 +145,7 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
                 rc = buf.softmax_into(buf.dot_d(v, pqc), rs[t])  # [Jc, Bc, m]
                 buf.sum_j(sc, v, rc)
 
-    run_spans(part, site_spans(bsz, bc, workers))
+    run_spans(part, spans)
     return _parent_major(s, a, c), r
 
 
@@ -177,9 +189,7 @@ def _chunked_backward(
     x, wc = _prepare(x, w)
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
-    workers = site_workers(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=tile_budget(x), workers=workers)
-    spans = site_spans(bsz, bc, workers)
+    jc, bc, spans = _plan(x, m, d)
     acc = _Gradients(x, wc, d, m, bc, jc, needs, len(spans))
     wcs = wc.split(jc)  # [Jc, x, c*m] each (per-child operands split once)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from capsctl.layers.chunks import run_spans, site_spans, site_workers
+from capsctl.layers.chunks import run_spans
 from capsctl.layers.flops import add_routing_flops
-from capsctl.layers.routing import _DENSE, _tiles, tile_budget
+from capsctl.layers.routing import _DENSE, _plan
 from capsctl.layers.vote_tiles import (
     _Chunk,
     _Gradients,
@@ -33,9 +33,7 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     d = a * c
     x, wc = _prepare(x, w)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
-    workers = site_workers(x)
-    budget = tile_budget(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
+    jc, bc, spans = _plan(x, m, d, sites)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -46,7 +44,7 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
             for t, xc in enumerate(x[:, b0:b1].split(jc)):  # [Jc, Bc, a, x]
                 buf.sum_j(s[b0:b1], buf.votes(xc, wcs[t]), rs[t])
 
-    run_spans(part, site_spans(bsz, bc, workers))
+    run_spans(part, spans)
     return _parent_major(s, a, c)
 
 
@@ -60,10 +58,7 @@ def _weighted_backward(
     d = a * c
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
-    workers = site_workers(x)
-    budget = tile_budget(x)
-    jc, bc = _tiles(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
-    spans = site_spans(bsz, bc, workers)
+    jc, bc, spans = _plan(x, m, d, sites)
     acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]
     wcs = wc.split(jc)  # [Jc, x, c*m] each
