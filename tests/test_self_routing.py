@@ -246,12 +246,8 @@ def _grads(layer: SelfRoutingCapsules, child, act, dense: bool):
     return [poses, acts, coef, *torch.autograd.grad(loss, inputs)]
 
 
-@pytest.mark.parametrize("weight_chunk", [2**20, 200])  # one chunk of gating weights, many
 @pytest.mark.parametrize("kind", ["conv", "fc"])
-def test_chunked_matches_dense(
-    kind: str, weight_chunk: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(self_routing, "SELF_WEIGHTS_CHUNK_BYTES", weight_chunk)
+def test_chunked_matches_dense(kind: str) -> None:
     if kind == "conv":
         layer = _layer("conv", 3, 16, 4, 16, 4, kernel=3, stride=2)
         child = torch.randn(3, 7, 7, 3, 16, dtype=torch.float64, requires_grad=True)
@@ -265,6 +261,19 @@ def test_chunked_matches_dense(
         layer.chunk_sites = chunk
         for got, want in zip(_grads(layer, child, act, dense=False), dense, strict=True):
             assert torch.allclose(got, want, atol=1e-10), chunk
+
+
+def test_mass_gradients_match_autograd_of_its_formula() -> None:
+    """SelfMass's hand-written backward against gradcheck of c = softmax_m(logits), c * a."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    act = torch.rand(4, 5, generator=gen, dtype=torch.float64, requires_grad=True)  # [B, J]
+    assert torch.autograd.gradcheck(
+        lambda lg, a: self_routing.SelfMass.apply(lg, a)[1], (logits, act)
+    )
+    c, mass = self_routing.SelfMass.apply(logits, act)
+    want = torch.softmax(logits, -1) * act.t().unsqueeze(-1)  # c_ij a_i
+    assert torch.allclose(mass, want) and not c.requires_grad
 
 
 def test_no_grad_matches_grad_pass() -> None:
@@ -306,3 +315,21 @@ def test_autocast_runs_in_float32() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         poses, acts, coef = layer.route(torch.randn(2, 4, 16), torch.rand(2, 4))
     assert poses.dtype == acts.dtype == coef.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["conv", "fc"])
+def test_child_major_sites_are_the_sites_transposed(kind: str) -> None:
+    """The child-major layout the layer routes in holds each site's window, child by child."""
+    if kind == "conv":
+        layer = _layer("conv", 3, 4, 2, 4, 2, kernel=3, stride=2)
+        child = torch.randn(2, 7, 7, 3, 4)
+        sites = [(bi, 2 * hi, 2 * wi) for bi in range(2) for hi in range(3) for wi in range(3)]
+        want = torch.stack(  # [B, J, d_in]: window (k, l, n) at each site, typed out
+            [child[bi, h0 : h0 + 3, w0 : w0 + 3].reshape(9 * 3, 4) for bi, h0, w0 in sites]
+        )
+    else:
+        layer = _layer("fc", 5, 4, 3, 4, 2)
+        child = torch.randn(6, 5, 4)
+        want = child
+    xj, _ = layer.child_sites(child)
+    assert xj.is_contiguous() and torch.equal(xj, want.transpose(0, 1))

@@ -15,7 +15,6 @@ from capsctl.layers import chunks
 from capsctl.layers.chunks import run_spans, site_spans, site_workers
 from capsctl.layers.em_kernels import VoteMoments, VoteQuad
 from capsctl.layers.routing import _tiles, routed_pass
-from capsctl.layers.self_routing import SelfWeights
 from capsctl.layers.vote_tiles import _Chunk
 from capsctl.layers.weighted_pass import weighted_pass
 
@@ -86,13 +85,7 @@ def _em(xs, w, p, r):  # noqa: ANN001, ANN202
     return moments.sum() + quad.sum(), (xs, w, r)
 
 
-def _self(xs, w, p, r):  # noqa: ANN001, ANN202
-    act = torch.rand(r.shape[1], r.shape[0], generator=torch.Generator().manual_seed(1))  # [B, J]
-    _, weights, parent = SelfWeights.apply(r, act)
-    return weights.sum() + parent.sum(), (r,)
-
-
-@pytest.mark.parametrize("op", [_routed, _weighted, _em, _self])
+@pytest.mark.parametrize("op", [_routed, _weighted, _em])
 def test_threads_give_the_results_of_one_thread(op, threads) -> None:  # noqa: ANN001
     """Outputs and gradients: equal up to the order of a sum over sites, and bit-identical
     from one run with two threads to the next."""

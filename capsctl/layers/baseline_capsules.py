@@ -27,6 +27,16 @@ def window_sites(t: Tensor, kernel: int, stride: int) -> tuple[Tensor, int, int]
     return win.reshape(b * h * w, -1, *t.shape[4:]), h, w  # [B, J, *e]
 
 
+def window_children(t: Tensor, kernel: int, stride: int) -> tuple[Tensor, int, int]:
+    """Grid tensor ``[b, H, W, n, *e]`` -> windows child-major, ``[J=(k,l,n), B=(b,h,w), *e]``
+    (one copy; :func:`window_sites` transposed)."""
+    b, nd = t.shape[0], t.dim()
+    win = t.unfold(1, kernel, stride).unfold(2, kernel, stride)  # [b, h, w, n, *e, k, l]
+    h, w = win.shape[1], win.shape[2]
+    win = win.permute(nd, nd + 1, 3, 0, 1, 2, *range(4, nd))  # [k, l, n, b, h, w, *e]
+    return win.reshape(-1, b * h * w, *t.shape[4:]), h, w  # [J, B, *e]
+
+
 class BaselineCapsules(nn.Module):
     """Weights, child sites and votes shared by the dynamic and EM capsule layers.
 
@@ -78,6 +88,15 @@ class BaselineCapsules(nn.Module):
                 " (was the model built for another input size?)"
             )
         return xs, (b,)
+
+    def child_sites(self, child: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+        """:meth:`sites` child-major: contiguous ``X[J, B, d_in]`` (one copy) and the site
+        shape, the layout of a product per child over all sites."""
+        if self.kind == "conv":
+            xj, h, w = window_children(child, self.kernel, self.stride)  # [J, B, d_in]
+            return xj, (child.shape[0], h, w)
+        xs, site = self.sites(child)  # [b, n, d_in]
+        return xs.transpose(0, 1).contiguous(), site  # [n, b, d_in]
 
     def child_activations(self, act: Tensor) -> Tensor:
         """Child activations ``[b, H, W, n]`` (conv) or ``[b, ...]`` (FC) -> ``[B, J]``."""
