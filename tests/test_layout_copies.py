@@ -1,11 +1,12 @@
-"""capsctl.layers.layout.permute_rows: the same bytes as a plain permuted copy, both passes."""
+"""capsctl.layers.layout: permute_rows gives the same bytes as a plain permuted copy, both
+passes; window_copy gives every window, and its gradient is the sum over the windows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from capsctl.layers.layout import _grouped, permute_rows
+from capsctl.layers.layout import _grouped, permute_rows, window_copy
 
 
 @pytest.mark.parametrize(
@@ -65,3 +66,45 @@ def test_a_non_contiguous_gradient_comes_back_the_same(kind: str) -> None:
     (gx,) = torch.autograd.grad(out, x, grad)
     (rx,) = torch.autograd.grad(ref, x, grad)
     assert torch.equal(gx, rx)
+
+
+def _windows_by_loops(t: torch.Tensor, k: int, s: int) -> torch.Tensor:
+    """``[B=(b,h,w), J=(k,l,n), *e]``, window by window: the child at offset ``(i, j)`` of the
+    window at output position ``(y, x)`` is ``t[:, s*y + i, s*x + j]``."""
+    b, hh, ww = t.shape[:3]
+    h, w = (hh - k) // s + 1, (ww - k) // s + 1
+    rows = []
+    for bi in range(b):
+        for y in range(h):
+            for x in range(w):
+                win = [t[bi, s * y + i, s * x + j] for i in range(k) for j in range(k)]
+                rows.append(torch.cat(win))  # [(k, l, n), *e] flattened over (k, l)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    ("shape", "k", "s"),
+    [
+        ((2, 7, 7, 3, 4), 3, 2),  # overlapping windows
+        ((2, 6, 5, 3, 4), 3, 2),  # a last row and column in no window
+        ((1, 6, 6, 2, 4), 2, 3),  # gaps between windows
+        ((2, 5, 5, 3), 3, 1),  # activations: no pose dim
+    ],
+)
+@pytest.mark.parametrize("child_major", [False, True])
+def test_window_copy_and_its_gradient(
+    shape: tuple[int, ...], k: int, s: int, child_major: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    out = window_copy(t, k, s, child_major=child_major)
+    want = _windows_by_loops(t.detach(), k, s)  # [B, J, *e]
+    assert torch.equal(out, want.transpose(0, 1) if child_major else want)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, t, grad)
+    ref = _windows_by_loops(t, k, s)
+    (expected,) = torch.autograd.grad(ref, t, grad.transpose(0, 1) if child_major else grad)
+    assert torch.allclose(got, expected, atol=1e-12)
+    strided = grad.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, strided
+    (again,) = torch.autograd.grad(window_copy(t, k, s, child_major=child_major), t, strided)
+    assert torch.allclose(again, expected, atol=1e-12)

@@ -13,28 +13,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from capsctl.layers.layout import window_copy
+
 
 def window_sites(t: Tensor, kernel: int, stride: int) -> tuple[Tensor, int, int]:
-    """Grid tensor ``[b, H, W, n, *e]`` -> windows ``[B=(b,h,w), J=(k,l,n), *e]``.
-
-    ``e`` is ``(d,)`` for poses and ``()`` for activations. Two ``unfold``s (height, then width)
-    keep every window's entries at their own positions.
-    """
-    b, nd = t.shape[0], t.dim()
-    win = t.unfold(1, kernel, stride).unfold(2, kernel, stride)  # [b, h, w, n, *e, k, l]
-    h, w = win.shape[1], win.shape[2]
-    win = win.permute(0, 1, 2, nd, nd + 1, 3, *range(4, nd))  # [b, h, w, k, l, n, *e]
-    return win.reshape(b * h * w, -1, *t.shape[4:]), h, w  # [B, J, *e]
+    """Grid tensor ``[b, H, W, n, *e]`` -> windows ``[B=(b,h,w), J=(k,l,n), *e]`` and the
+    output grid ``h, w`` (``e`` is ``(d,)`` for poses and ``()`` for activations)."""
+    h, w = (t.shape[1] - kernel) // stride + 1, (t.shape[2] - kernel) // stride + 1
+    return window_copy(t, kernel, stride), h, w
 
 
 def window_children(t: Tensor, kernel: int, stride: int) -> tuple[Tensor, int, int]:
-    """Grid tensor ``[b, H, W, n, *e]`` -> windows child-major, ``[J=(k,l,n), B=(b,h,w), *e]``
-    (one copy; :func:`window_sites` transposed)."""
-    b, nd = t.shape[0], t.dim()
-    win = t.unfold(1, kernel, stride).unfold(2, kernel, stride)  # [b, h, w, n, *e, k, l]
-    h, w = win.shape[1], win.shape[2]
-    win = win.permute(nd, nd + 1, 3, 0, 1, 2, *range(4, nd))  # [k, l, n, b, h, w, *e]
-    return win.reshape(-1, b * h * w, *t.shape[4:]), h, w  # [J, B, *e]
+    """:func:`window_sites` child-major: ``[J=(k,l,n), B=(b,h,w), *e]``."""
+    h, w = (t.shape[1] - kernel) // stride + 1, (t.shape[2] - kernel) // stride + 1
+    return window_copy(t, kernel, stride, child_major=True), h, w
 
 
 class BaselineCapsules(nn.Module):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsctl.layers.layout import permute_rows
+from capsctl.layers.layout import permute_rows, window_copy
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routing import routed_pass
 
@@ -293,13 +293,10 @@ class ConvCapsules(CapsuleLayer):
         return windows
 
     def _window_copy(self, child: Tensor) -> tuple[Tensor, int, int]:
-        b, _, _, n, _ = child.shape
         k, st = self.kernel, self.stride
-        win = child.unfold(1, k, st).unfold(2, k, st)  # [b, h, w, n, d, k, l]
-        h, w = win.shape[1], win.shape[2]
-        xj = win.permute(5, 6, 3, 0, 1, 2, 4)  # [k, l, n, b, h, w, d]
-        xj = xj.reshape(k * k * n, b * h * w, self.rows, self.cols_in)  # [J, B, a, x]
-        return xj, h, w
+        xj = window_copy(child, k, st, child_major=True)  # [J=(k,l,n), B=(b,h,w), d]
+        h, w = self.out_size(child.shape[1]), self.out_size(child.shape[2])
+        return xj.view(xj.shape[0], xj.shape[1], self.rows, self.cols_in), h, w  # [J, B, a, x]
 
     def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """``S_j = sum_i R_ij V_ij``, ``R_ij = softmax_j(scale * <V_ij, Q_j>)`` over the parent

@@ -8,6 +8,13 @@ same bytes viewed as ``complex128``), the loop moves whole runs. Measured on thi
 ``cifar10-caps-simple``'s primary capsules): 14.7 ms -> 3.8 ms one way, 7.8 ms -> 5.6 ms the
 other. :func:`permute_rows` does that in both passes (autograd's own backward would copy the
 gradient float by float); the bytes moved are the same, so the result is bit-exact.
+
+A conv capsule layer's windows (every ``k x k`` window of child capsules at every output
+position) are one copy of ``unfold`` views. Autograd's backward of ``unfold`` is a general
+scatter: on the 2-core reference machine 31 ms for the windows of ``cifar10-caps-simple``'s
+first conv capsule layer at batch 32 (``[32, 15, 15, 32, 16]`` children, 288 x 1568 windows).
+:func:`window_copy` adds the gradient back one kernel offset at a time instead, ``k*k`` strided
+additions of a grid-sized slice: 4.5 ms for the same windows.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["permute_rows"]
+__all__ = ["permute_rows", "window_copy"]
 
 # Element types by width in bytes: a run of that many bytes moves as one element.
 _BY_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
@@ -63,3 +70,50 @@ def permute_rows(t: Tensor, dims: Sequence[int]) -> Tensor:
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return t.permute(*dims).contiguous()  # export and compile see the plain op
     return _PermuteRows.apply(t, dims)
+
+
+def _windows(t: Tensor, kernel: int, stride: int, child_major: bool) -> Tensor:
+    """The copy of :func:`window_copy` (plain ops, differentiable by autograd)."""
+    b, nd = t.shape[0], t.dim()
+    win = t.unfold(1, kernel, stride).unfold(2, kernel, stride)  # [b, h, w, n, *e, k, l]
+    h, w = win.shape[1], win.shape[2]
+    rest = tuple(range(4, nd))
+    if child_major:
+        win = win.permute(nd, nd + 1, 3, 0, 1, 2, *rest)  # [k, l, n, b, h, w, *e]
+        return win.reshape(-1, b * h * w, *t.shape[4:])  # [J, B, *e]
+    win = win.permute(0, 1, 2, nd, nd + 1, 3, *rest)  # [b, h, w, k, l, n, *e]
+    return win.reshape(b * h * w, -1, *t.shape[4:])  # [B, J, *e]
+
+
+class _WindowCopy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, kernel: int, stride: int, child_major: bool) -> Tensor:  # type: ignore[override]
+        ctx.shape, ctx.kernel, ctx.stride, ctx.child_major = t.shape, kernel, stride, child_major
+        return _windows(t, kernel, stride, child_major)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        b, hh, ww, n = ctx.shape[:4]
+        e, k, s = tuple(ctx.shape[4:]), ctx.kernel, ctx.stride
+        h, w = (hh - k) // s + 1, (ww - k) // s + 1
+        lead = len(e)
+        if ctx.child_major:  # [J, B, *e] -> [k, l, n, b, h, w, *e]
+            g = grad.reshape(k, k, n, b, h, w, *e)
+            at = lambda i, j: g[i, j].permute(1, 2, 3, 0, *range(4, 4 + lead))  # noqa: E731
+        else:  # [B, J, *e] -> [b, h, w, k, l, n, *e]
+            g = grad.reshape(b, h, w, k, k, n, *e)
+            at = lambda i, j: g[:, :, :, i, j]  # noqa: E731
+        out = grad.new_zeros(ctx.shape)  # [b, H, W, n, *e]
+        for i in range(k):
+            for j in range(k):  # the children at offset (i, j) of every window: [b, h, w, n, *e]
+                out[:, i : i + s * (h - 1) + 1 : s, j : j + s * (w - 1) + 1 : s].add_(at(i, j))
+        return out, None, None, None
+
+
+def window_copy(t: Tensor, kernel: int, stride: int, *, child_major: bool = False) -> Tensor:
+    """Every ``kernel x kernel`` window (stride ``stride``) of a grid ``t[b, H, W, n, *e]``,
+    copied: ``[B=(b,h,w), J=(k,l,n), *e]``, or ``[J, B, *e]`` with ``child_major``. The
+    backward pass adds the gradient back offset by offset (see the module docstring)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return _windows(t, kernel, stride, child_major)  # export and compile see plain ops
+    return _WindowCopy.apply(t, kernel, stride, child_major)
