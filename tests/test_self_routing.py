@@ -235,6 +235,21 @@ def test_gradcheck_tiny_conv() -> None:
     assert torch.autograd.gradcheck(run, (child, act, *params))
 
 
+def test_gradcheck_class_layer_without_poses() -> None:
+    """Only the parent activations depend on the mass here: its gradient arrives broadcast over
+    the children (stride 0)."""
+    layer = _layer("fc", 4, 4, 3, 4, 2, poses=False)
+    child = torch.randn(2, 4, 4, dtype=torch.float64, requires_grad=True)
+    act = (torch.rand(2, 4, dtype=torch.float64) + 0.1).requires_grad_()
+
+    def run(ch, ac, wr, br):
+        params = {"route_weight": wr, "route_bias": br}
+        return torch.func.functional_call(layer, params, (ch, ac))[1]
+
+    params = [p.detach().clone().requires_grad_() for p in (layer.route_weight, layer.route_bias)]
+    assert torch.autograd.gradcheck(run, (child, act, *params))
+
+
 def _grads(layer: SelfRoutingCapsules, child, act, dense: bool):
     ctx = dense_routing() if dense else contextlib.nullcontext()
     with ctx:
