@@ -22,7 +22,6 @@ import math
 import pytest
 import torch
 
-from capsctl.layers import self_routing
 from capsctl.layers.routing import dense_routing
 from capsctl.layers.self_routing import SelfRoutingCapsules
 
@@ -276,19 +275,6 @@ def test_chunked_matches_dense(kind: str) -> None:
         layer.chunk_sites = chunk
         for got, want in zip(_grads(layer, child, act, dense=False), dense, strict=True):
             assert torch.allclose(got, want, atol=1e-10), chunk
-
-
-def test_mass_gradients_match_autograd_of_its_formula() -> None:
-    """SelfMass's hand-written backward against gradcheck of c = softmax_m(logits), c * a."""
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    act = torch.rand(4, 5, generator=gen, dtype=torch.float64, requires_grad=True)  # [B, J]
-    assert torch.autograd.gradcheck(
-        lambda lg, a: self_routing.SelfMass.apply(lg, a)[1], (logits, act)
-    )
-    c, mass = self_routing.SelfMass.apply(logits, act)
-    want = torch.softmax(logits, -1) * act.t().unsqueeze(-1)  # c_ij a_i
-    assert torch.allclose(mass, want) and not c.requires_grad
 
 
 def test_no_grad_matches_grad_pass() -> None:

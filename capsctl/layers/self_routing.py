@@ -36,7 +36,6 @@ import torch
 from torch import Tensor, nn
 
 from capsctl.layers.baseline_capsules import BaselineCapsules
-from capsctl.layers.routing import _DENSE
 from capsctl.layers.weighted_pass import weighted_pass
 
 # Added to both denominators, sum_i a_i and sum_i c_ij a_i: a site whose children all have
@@ -46,46 +45,12 @@ from capsctl.layers.weighted_pass import weighted_pass
 SELF_ROUTING_EPS = 1e-8
 
 
-class SelfMass(torch.autograd.Function):
-    """``c = softmax_m(logits)`` and the mass ``c_ij a_i`` (both ``[J, B, m]``) from
-    ``logits[J, B, m]`` and the child activations ``act[B, J]``, with a hand-written backward
-    pass that keeps two ``[J, B, m]`` tensors and makes four passes over them, where autograd's
-    softmax and broadcast product keep three and make about eight.
-
-    With ``g = d loss / d mass`` and ``s = sum_m c g`` (per child and site): ``d act = s`` and
-    ``d logits = mass (g - s)`` (the softmax's backward times ``a``).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        c = torch.softmax(logits, dim=-1)  # [J, B, m]
-        mass = c * act.t().unsqueeze(-1)  # [J, B, m]: c_ij a_i
-        ctx.save_for_backward(c, mass)
-        ctx.mark_non_differentiable(c)
-        ctx.set_materialize_grads(False)
-        return c, mass
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx, _gc: Tensor | None, g: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None]:
-        if g is None:
-            return None, None
-        c, mass = ctx.saved_tensors
-        t = c * g  # [J, B, m]
-        s = t.sum(-1, keepdim=True)  # [J, B, 1]
-        dlogits = torch.sub(g, s, out=t).mul_(mass)  # [J, B, m]
-        return dlogits, s.squeeze(-1).t()  # [J, B, m], [B, J]
-
-
 def _mass(logits: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
     """The coefficients ``c = softmax_m(logits)`` and the mass ``c a`` (``[J, B, m]`` each) of
-    ``logits[J, B, m]`` and child activations ``act[B, J]``: :class:`SelfMass` in eager
-    autograd, plain expressions when tracing or compiling."""
-    if _DENSE["on"] or torch.compiler.is_compiling():
-        c = torch.softmax(logits, dim=-1)  # [J, B, m]
-        return c, c * act.t().unsqueeze(-1)
-    return SelfMass.apply(logits, act)
+    ``logits[J, B, m]`` and child activations ``act[B, J]``. Plain autograd: it keeps ``c``,
+    and the weighted pass keeps the mass."""
+    c = torch.softmax(logits, dim=-1)  # [J, B, m]
+    return c, c * act.t().unsqueeze(-1)  # [J, B, m]: c_ij a_i
 
 
 def _parent_activations(total: Tensor, act: Tensor) -> Tensor:
