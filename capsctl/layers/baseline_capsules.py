@@ -16,17 +16,14 @@ from torch import Tensor, nn
 from capsctl.layers.layout import window_copy
 
 
-def window_sites(t: Tensor, kernel: int, stride: int) -> tuple[Tensor, int, int]:
-    """Grid tensor ``[b, H, W, n, *e]`` -> windows ``[B=(b,h,w), J=(k,l,n), *e]`` and the
-    output grid ``h, w`` (``e`` is ``(d,)`` for poses and ``()`` for activations)."""
+def window_sites(
+    t: Tensor, kernel: int, stride: int, *, child_major: bool = False
+) -> tuple[Tensor, int, int]:
+    """Grid tensor ``[b, H, W, n, *e]`` -> windows ``[B=(b,h,w), J=(k,l,n), *e]`` (``[J, B, *e]``
+    with ``child_major``) and the output grid ``h, w`` (``e`` is ``(d,)`` for poses and ``()``
+    for activations)."""
     h, w = (t.shape[1] - kernel) // stride + 1, (t.shape[2] - kernel) // stride + 1
-    return window_copy(t, kernel, stride), h, w
-
-
-def window_children(t: Tensor, kernel: int, stride: int) -> tuple[Tensor, int, int]:
-    """:func:`window_sites` child-major: ``[J=(k,l,n), B=(b,h,w), *e]``."""
-    h, w = (t.shape[1] - kernel) // stride + 1, (t.shape[2] - kernel) // stride + 1
-    return window_copy(t, kernel, stride, child_major=True), h, w
+    return window_copy(t, kernel, stride, child_major=child_major), h, w
 
 
 class BaselineCapsules(nn.Module):
@@ -85,7 +82,9 @@ class BaselineCapsules(nn.Module):
         """:meth:`sites` child-major: contiguous ``X[J, B, d_in]`` (one copy) and the site
         shape, the layout of a product per child over all sites."""
         if self.kind == "conv":
-            xj, h, w = window_children(child, self.kernel, self.stride)  # [J, B, d_in]
+            xj, h, w = window_sites(
+                child, self.kernel, self.stride, child_major=True
+            )  # [J, B, d_in]
             return xj, (child.shape[0], h, w)
         xs, site = self.sites(child)  # [b, n, d_in]
         return xs.transpose(0, 1).contiguous(), site  # [n, b, d_in]

@@ -96,17 +96,16 @@ class _WindowCopy(torch.autograd.Function):
         b, hh, ww, n = ctx.shape[:4]
         e, k, s = tuple(ctx.shape[4:]), ctx.kernel, ctx.stride
         h, w = (hh - k) // s + 1, (ww - k) // s + 1
-        lead = len(e)
-        if ctx.child_major:  # [J, B, *e] -> [k, l, n, b, h, w, *e]
-            g = grad.reshape(k, k, n, b, h, w, *e)
-            at = lambda i, j: g[i, j].permute(1, 2, 3, 0, *range(4, 4 + lead))  # noqa: E731
+        if ctx.child_major:  # [J, B, *e] -> [k, l, n, b, h, w, *e] -> [b, h, w, k, l, n, *e]
+            g = grad.reshape(k, k, n, b, h, w, *e).permute(3, 4, 5, 0, 1, 2, *range(6, 6 + len(e)))
         else:  # [B, J, *e] -> [b, h, w, k, l, n, *e]
             g = grad.reshape(b, h, w, k, k, n, *e)
-            at = lambda i, j: g[:, :, :, i, j]  # noqa: E731
         out = grad.new_zeros(ctx.shape)  # [b, H, W, n, *e]
         for i in range(k):
             for j in range(k):  # the children at offset (i, j) of every window: [b, h, w, n, *e]
-                out[:, i : i + s * (h - 1) + 1 : s, j : j + s * (w - 1) + 1 : s].add_(at(i, j))
+                out[:, i : i + s * (h - 1) + 1 : s, j : j + s * (w - 1) + 1 : s].add_(
+                    g[:, :, :, i, j]
+                )
         return out, None, None, None
 
 
