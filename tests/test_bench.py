@@ -23,6 +23,7 @@ from capsctl.bench import (
 )
 from capsctl.config import resolve_config
 from capsctl.errors import ConfigError, UsageError
+from capsctl.layers.native import native_summary
 from capsctl.models.capsnet import CapsNet
 
 MB = 1024 * 1024
@@ -341,6 +342,10 @@ def test_rows_to_json_is_serializable(with_resnet: Run) -> None:
     assert back["device"] == "cpu" and back["batch_size"] == 2 and back["iters"] == 1
     assert back["torch"] == torch.__version__
     assert back["threads"] == torch.get_num_threads()
+    assert back["routing_kernels"] == native_summary()
+    assert back["routing_kernels"] == "compiled loops" or back["routing_kernels"].startswith(
+        "torch code ("
+    )
     assert [r["name"] for r in back["rows"]] == ["resnet18", "tiny-caps"]
     assert back["rows"][0]["train_ratio"] == 1.0
     default = rows_to_json(rows)

@@ -18,6 +18,9 @@ from capsctl.layers.routing import _tiles, routed_pass
 from capsctl.layers.vote_tiles import _Chunk
 from capsctl.layers.weighted_pass import weighted_pass
 
+# the torch code's own chunks and threads (the compiled loops have their own tests)
+pytestmark = pytest.mark.usefixtures("eager_routing")
+
 
 @pytest.fixture
 def threads(monkeypatch: pytest.MonkeyPatch):

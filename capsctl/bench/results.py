@@ -71,10 +71,14 @@ def add_ratios(rows: Sequence[BenchRow], reference: BenchRow | None = None) -> N
 def rows_to_json(rows: Sequence[BenchRow], meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A JSON-serializable report: run metadata plus ``rows`` (each :meth:`BenchRow.to_dict`).
 
-    ``device`` and ``batch_size`` come from ``meta`` or else from the first row; ``torch`` and
-    ``threads`` describe this process. Other ``meta`` keys (e.g. ``iters``) are kept.
+    ``device`` and ``batch_size`` come from ``meta`` or else from the first row; ``torch``,
+    ``threads`` and ``routing_kernels`` (what ran the routed passes on a CPU:
+    capsctl/layers/native.py) describe this process. Other ``meta`` keys (e.g. ``iters``) are
+    kept.
     """
     import torch
+
+    from capsctl.layers.native import native_summary
 
     meta = dict(meta or {})
     first = rows[0] if rows else None
@@ -83,6 +87,7 @@ def rows_to_json(rows: Sequence[BenchRow], meta: Mapping[str, Any] | None = None
         "batch_size": meta.pop("batch_size", first.batch_size if first else None),
         "torch": meta.pop("torch", torch.__version__),
         "threads": meta.pop("threads", torch.get_num_threads()),
+        "routing_kernels": meta.pop("routing_kernels", native_summary()),
     }
     out.update(meta)
     out["rows"] = [r.to_dict() for r in rows]

@@ -55,6 +55,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from capsctl.layers import native
 from capsctl.layers.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.vote_tiles import (
@@ -129,6 +130,9 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     d = a * c
     x, wc = _prepare(x, w)
     pq = _site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
+    if native.usable(x, wc, pq):
+        sn, rn = native.routed_forward(x, wc, pq, c)  # [B, d, m], [J, B, m]
+        return _parent_major(sn, a, c), rn
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
     jc, bc, spans = _plan(x, m, d)
@@ -189,6 +193,9 @@ def _chunked_backward(
     x, wc = _prepare(x, w)
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
+    if native.usable(x, wc, pq, r, gq):
+        gx, gwc, gpq = native.routed_backward(x, wc, pq, r, gq, c, needs[:3])
+        return _native_grads(gx, gwc, gpq, a, c, scale)
     jc, bc, spans = _plan(x, m, d)
     acc = _Gradients(x, wc, d, m, bc, jc, needs, len(spans))
     wcs = wc.split(jc)  # [Jc, x, c*m] each (per-child operands split once)
@@ -214,6 +221,20 @@ def _chunked_backward(
 
     run_spans(part, spans)
     return acc.of_inputs(a, c, scale)
+
+
+def _native_grads(
+    gx: Tensor | None, gwc: Tensor | None, gpq: Tensor | None, a: int, c: int, scale: float
+) -> tuple[Tensor | None, ...]:
+    """The compiled backward's ``gx[J, B, a, x]``, ``gw[J, x, c*m]`` and ``gp[B, d, m]``
+    (before the scale) as the gradients of ``X``, ``W[J, x, m, c]`` and ``P[B, m, a, c]``."""
+    gw = gp = None
+    if gwc is not None:
+        j, xd, cm = gwc.shape
+        gw = gwc.view(j, xd, c, cm // c).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+    if gpq is not None:
+        gp = _parent_major(gpq.mul_(scale), a, c)  # [B, m, a, c]
+    return gx, gw, gp
 
 
 class ChunkedRoutedPass(torch.autograd.Function):

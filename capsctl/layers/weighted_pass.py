@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from capsctl.layers import native
 from capsctl.layers.chunks import run_spans
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE, _plan
@@ -32,6 +33,8 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     m, c = w.shape[2], w.shape[3]
     d = a * c
     x, wc = _prepare(x, w)
+    if sites is None and native.usable(x, wc, r):
+        return _parent_major(native.weighted_forward(x, wc, r.contiguous(), c), a, c)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     jc, bc, spans = _plan(x, m, d, sites)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
@@ -58,6 +61,12 @@ def _weighted_backward(
     d = a * c
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
+    if sites is None and native.usable(x, wc, r, gq):
+        gx, gwc, gr = native.weighted_backward(x, wc, r.contiguous(), gq, c, needs[:3])
+        gw = None
+        if gwc is not None:
+            gw = gwc.view(j, -1, c, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+        return gx, gw, gr
     jc, bc, spans = _plan(x, m, d, sites)
     acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]

@@ -13,6 +13,8 @@ __all__ = ["footer_line", "footer_lines", "print_bench", "print_compare"]
 def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
     import torch
 
+    from capsctl.layers.native import native_summary
+
     ref = any(r.name == "resnet18" for r in rows)
     cols = ["model", "params", "T", "routing", "train step", "min", "infer img/s", "peak mem"]
     if ref:
@@ -47,6 +49,7 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
         f"capsctl bench  device {first.device}  batch {batch_size}  {iters} timed steps  "
         f"{torch.get_num_threads()} threads  torch {torch.__version__}"
         + "".join(f"  {m}" for m in modes)
+        + (f"  routing: {native_summary()}" if first.device == "cpu" else "")
     )
     out.print(table(title, cols, body, right=(1, 2, 4, 5, 6, 7, 8, 9)))
     note(

@@ -1,0 +1,251 @@
+"""The compiled routing loops (capsctl/layers/native.py, routing_kernels.cpp): the routed pass of
+inverted dot-product attention routing and the weighted pass of self-routing, against the
+equations written out as loops here, against the torch code, over threads, through whole models,
+and what happens without a compiler."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from capsctl.layers import native
+from capsctl.layers.routing import routed_pass
+from capsctl.layers.weighted_pass import weighted_pass
+
+
+def _require_native() -> None:
+    status = native.native_status()
+    if not status.startswith("on"):
+        if os.environ.get("CAPSCTL_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"CAPSCTL_REQUIRE_NATIVE=1 but the compiled loops are {status}")
+        pytest.skip(f"compiled routing loops unavailable: {status}")
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Forget the loaded library before and after the test (it reads the environment)."""
+    native._load.cache_clear()
+    yield
+    monkeypatch.undo()
+    native._load.cache_clear()
+
+
+def _loop_routed(x, w, p, scale):  # noqa: ANN001, ANN202
+    """Tsai et al. (2020), one routed pass, by loops: V_ij = X_i W_ij, A_ij = scale <V_ij, P_j>,
+    R_i = softmax over the parents j of A_i, S_j = sum_i R_ij V_ij."""
+    j_n, b_n = x.shape[0], x.shape[1]
+    m_n = w.shape[2]
+    s = torch.zeros(b_n, m_n, x.shape[2], w.shape[3], dtype=torch.float64)
+    r = torch.zeros(j_n, b_n, m_n, dtype=torch.float64)
+    for b in range(b_n):
+        for i in range(j_n):
+            votes = [x[i, b].double() @ w[i, :, j].double() for j in range(m_n)]  # [a, c] each
+            logits = torch.stack([scale * (votes[j] * p[b, j].double()).sum() for j in range(m_n)])
+            coef = torch.exp(logits - logits.max())
+            coef = coef / coef.sum()
+            r[i, b] = coef
+            for j in range(m_n):
+                s[b, j] += coef[j] * votes[j]
+    return s, r
+
+
+def _loop_weighted(x, w, r):  # noqa: ANN001, ANN202
+    """S_j = sum_i R_ij X_i W_ij, by loops."""
+    s = torch.zeros(x.shape[1], w.shape[2], x.shape[2], w.shape[3], dtype=torch.float64)
+    for b in range(x.shape[1]):
+        for i in range(x.shape[0]):
+            for j in range(w.shape[2]):
+                s[b, j] += r[i, b, j].double() * (x[i, b].double() @ w[i, :, j].double())
+    return s
+
+
+# (J, B, a, x, m, c): 4x4 poses with the compiled sizes (32 and 10 parents) and the run-time
+# one, a single parent, vector poses, a single child
+SHAPES = [
+    (9, 5, 4, 4, 32, 4),
+    (7, 6, 4, 4, 10, 4),
+    (5, 4, 4, 4, 3, 4),
+    (6, 3, 4, 4, 1, 4),
+    (8, 5, 1, 8, 3, 16),
+    (1, 4, 2, 3, 2, 5),
+]
+
+
+def _inputs(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, ...]:
+    j, b, a, xd, m, c = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(j, b, a, xd, generator=g)
+    w = torch.randn(j, xd, m, c, generator=g) * 0.5
+    p = torch.randn(b, m, a, c, generator=g)
+    return x, w, p
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_routed_pass_matches_the_equations(shape: tuple[int, ...]) -> None:
+    _require_native()
+    x, w, p = _inputs(shape, 0)
+    s, r = routed_pass(x, w, p, 0.25)
+    ref_s, ref_r = _loop_routed(x, w, p, 0.25)
+    assert torch.allclose(s.double(), ref_s, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(r.double(), ref_r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_weighted_pass_matches_the_equations(shape: tuple[int, ...]) -> None:
+    _require_native()
+    x, w, _ = _inputs(shape, 1)
+    r = torch.rand(shape[0], shape[1], shape[4], generator=torch.Generator().manual_seed(2))
+    s = weighted_pass(x, w, r)
+    assert torch.allclose(s.double(), _loop_weighted(x, w, r), rtol=1e-5, atol=1e-5)
+
+
+def _grads(fn, inputs, seed):  # noqa: ANN001, ANN202
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return [out, *torch.autograd.grad(out, leaves, g)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradients_equal_those_of_the_torch_code(shape: tuple[int, ...]) -> None:
+    """The torch code's gradients are checked against finite differences (test_routing.py,
+    test_self_routing.py); the compiled backward passes must give the same."""
+    _require_native()
+    x, w, p = _inputs(shape, 3)
+    r = torch.rand(shape[0], shape[1], shape[4], generator=torch.Generator().manual_seed(4))
+
+    def routed(x, w, p):  # noqa: ANN001, ANN202
+        return routed_pass(x, w, p, 0.5)[0]
+
+    for fn, inputs in ((routed, (x, w, p)), (weighted_pass, (x, w, r))):
+        fast = _grads(fn, inputs, 5)
+        with native.native_disabled():
+            slow = _grads(fn, inputs, 5)
+        for got, want in zip(fast, slow, strict=True):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (fn, shape)
+
+
+def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without this the tests above could pass by running the torch code twice."""
+    _require_native()
+    calls = []
+    real = native.routed_forward
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "routed_forward", spy)
+    x, w, p = _inputs(SHAPES[0], 6)
+    routed_pass(x, w, p, 0.5)
+    assert calls
+    calls.clear()
+    with native.native_disabled():
+        routed_pass(x, w, p, 0.5)
+    routed_pass(x.double(), w.double(), p.double(), 0.5)  # float64: the torch code
+    assert not calls
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_threads_give_the_results_of_one_thread(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _require_native()
+    x, w, p = _inputs((9, 13, 4, 4, 10, 4), 7)
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", "1")
+    want = _grads(lambda *t: routed_pass(*t, 0.5)[0], (x, w, p), 8)
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", threads)
+    got = _grads(lambda *t: routed_pass(*t, 0.5)[0], (x, w, p), 8)
+    s, gx, gw, gp = got
+    # every site is computed alike, whichever thread runs it
+    assert torch.equal(s, want[0]) and torch.equal(gx, want[1]) and torch.equal(gp, want[3])
+    assert torch.allclose(gw, want[2], rtol=1e-6, atol=1e-6)  # dW: a sum per thread, then added
+
+
+@pytest.mark.parametrize("router", ["idpa", "self"])
+def test_a_training_step_equals_the_torch_code(router: str) -> None:
+    _require_native()
+    from capsctl.config import build_model, resolve_config
+
+    preset = "cifar10-caps-simple" if router == "idpa" else "cifar10-self-simple"
+    torch.manual_seed(0)
+    model = build_model(resolve_config(preset))
+    if router == "idpa":
+        model.set_routing(3, "sequential")
+    x = torch.randn(2, 3, 32, 32)
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.float().square().sum().backward()
+        return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    fast = step()
+    with native.native_disabled():
+        slow = step()
+    assert len(fast) == len(slow) > 1
+    for got, want in zip(fast, slow, strict=True):
+        scale = want.abs().max().clamp_min(1e-12)
+        assert ((got - want).abs().max() / scale).item() < 1e-4
+
+
+def test_the_library_is_built_once_into_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    assert native.native_status().startswith("on")
+    built = list((tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    stamp = built[0].stat().st_mtime_ns
+    native._load.cache_clear()
+    assert native.native_status() == f"on ({built[0]})"
+    assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+
+
+def _same_as_torch() -> None:
+    x, w, p = _inputs(SHAPES[2], 9)
+    s, r = routed_pass(x, w, p, 0.5)
+    ref_s, ref_r = _loop_routed(x, w, p, 0.5)
+    assert torch.allclose(s.double(), ref_s, rtol=1e-5, atol=1e-5)
+
+
+def test_the_environment_turns_the_loops_off(
+    monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.native_status() == "off (CAPSCTL_NATIVE=0)"
+    assert not native.usable(torch.zeros(1))
+    _same_as_torch()
+
+
+def test_without_a_compiler_the_torch_code_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert native.native_status().startswith("off (no C++ compiler found")
+    _same_as_torch()
+
+
+def test_a_failing_compiler_leaves_the_torch_code_and_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    broken = tmp_path / "broken-c++"
+    broken.write_text("#!/bin/sh\necho 'error: out of luck' >&2\nexit 1\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    cache = tmp_path / "cache"
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    status = native.native_status()
+    assert status.startswith("off (") and "out of luck" in status, status
+    assert not any((cache / "kernels").iterdir())  # the temporary output was removed
+    _same_as_torch()
