@@ -1,7 +1,8 @@
 """The compiled routing loops (capsctl/layers/native.py, routing_kernels.cpp): the routed pass of
-inverted dot-product attention routing and the weighted pass of self-routing, against the
-equations written out as loops here, against the torch code, over threads, through whole models,
-and what happens without a compiler."""
+inverted dot-product attention routing and dynamic routing, the weighted pass of self-routing and
+EM routing's moments and quadratic form, against the equations written out as loops here,
+against the torch code, over threads, through whole models, and what happens without a
+compiler."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from capsctl.layers import native
+from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
 from capsctl.layers.routing import routed_pass
 from capsctl.layers.weighted_pass import weighted_pass
 
@@ -64,11 +66,14 @@ def _loop_weighted(x, w, r):  # noqa: ANN001, ANN202
     return s
 
 
-# (J, B, a, x, m, c): 4x4 poses with the compiled sizes (32 and 10 parents) and the run-time
-# one, a single parent, vector poses, a single child
+# (J, B, a, x, m, c): 4x4 poses and 16-d pose vectors with the compiled sizes (32 and 10
+# parents), 4x4 poses with a run-time one, a single parent, other vector poses, a single child;
+# more sites than one block of the loops (16) in some
 SHAPES = [
-    (9, 5, 4, 4, 32, 4),
+    (9, 21, 4, 4, 32, 4),
     (7, 6, 4, 4, 10, 4),
+    (5, 18, 1, 16, 32, 16),
+    (4, 5, 1, 16, 10, 16),
     (5, 4, 4, 4, 3, 4),
     (6, 3, 4, 4, 1, 4),
     (8, 5, 1, 8, 3, 16),
@@ -130,6 +135,55 @@ def test_gradients_equal_those_of_the_torch_code(shape: tuple[int, ...]) -> None
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (fn, shape)
 
 
+def _loop_em(x, wc, shift, r, act, qp):  # noqa: ANN001, ANN202
+    """EM's vote-sized sums by loops over u = X_i W_ij - shift_j (votes about a shift):
+    S1_j = sum_i r_ij a_i u_ij, S2_j = sum_i r_ij a_i u_ij^2 and
+    Q_ij = sum_h (q_j u_ij + p_j u_ij^2)."""
+    j_n, b_n, a, xd = x.shape
+    m = r.shape[1]
+    c = wc.shape[2] // m
+    w = wc.double().view(j_n, xd, c, m)
+    s = torch.zeros(2, b_n, a * c, m, dtype=torch.float64)
+    q = torch.zeros(b_n, m, j_n, dtype=torch.float64)
+    for b in range(b_n):
+        for i in range(j_n):
+            for k in range(m):
+                u = (x[i, b].double() @ w[i, :, :, k]).flatten() - shift[b, :, k].double()
+                s[0, b, :, k] += r[b, k, i] * act[b, i] * u
+                s[1, b, :, k] += r[b, k, i] * act[b, i] * u * u
+                q[b, k, i] = (qp[0, b, :, k] * u + qp[1, b, :, k] * u * u).sum()
+    return s, q
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_em_sums_match_the_equations_and_the_torch_code(shape: tuple[int, ...]) -> None:
+    _require_native()
+    j, b, a, xd, m, c = shape
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(j, b, a, xd, generator=g)
+    wc = torch.randn(j, xd, c * m, generator=g) * 0.5
+    act = torch.rand(b, j, generator=g)
+    r = torch.rand(b, m, j, generator=g)
+    qp = torch.randn(2, b, a * c, m, generator=g)
+    shift = vote_shift(x.permute(1, 0, 2, 3).contiguous(), wc, act, m)  # [B, d, m]
+    want_s, want_q = _loop_em(x, wc, shift, r, act, qp)
+    assert torch.allclose(VoteMoments.apply(r, act, x, wc, shift).double(), want_s, atol=1e-4)
+    assert torch.allclose(VoteQuad.apply(qp, x, wc, shift).double(), want_q, atol=1e-4)
+
+    def moments(r, act, x, wc):  # noqa: ANN001, ANN202
+        return VoteMoments.apply(r, act, x, wc, shift)
+
+    def quad(qp, x, wc):  # noqa: ANN001, ANN202
+        return VoteQuad.apply(qp, x, wc, shift)
+
+    for fn, inputs in ((moments, (r, act, x, wc)), (quad, (qp, x, wc))):
+        fast = _grads(fn, inputs, 11)
+        with native.native_disabled():
+            slow = _grads(fn, inputs, 11)
+        for got, want in zip(fast, slow, strict=True):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (fn, shape)
+
+
 def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without this the tests above could pass by running the torch code twice."""
     _require_native()
@@ -167,12 +221,17 @@ def test_threads_give_the_results_of_one_thread(
     assert torch.allclose(gw, want[2], rtol=1e-6, atol=1e-6)  # dW: a sum per thread, then added
 
 
-@pytest.mark.parametrize("router", ["idpa", "self"])
+@pytest.mark.parametrize("router", ["idpa", "self", "dynamic", "em"])
 def test_a_training_step_equals_the_torch_code(router: str) -> None:
     _require_native()
     from capsctl.config import build_model, resolve_config
 
-    preset = "cifar10-caps-simple" if router == "idpa" else "cifar10-self-simple"
+    preset = {
+        "idpa": "cifar10-caps-simple",
+        "self": "cifar10-self-simple",
+        "dynamic": "cifar10-dynamic-simple",
+        "em": "cifar10-em-simple",
+    }[router]
     torch.manual_seed(0)
     model = build_model(resolve_config(preset))
     if router == "idpa":

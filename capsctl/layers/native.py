@@ -48,6 +48,10 @@ __all__ = [
     "routed_backward",
     "routed_forward",
     "usable",
+    "em_moments_backward",
+    "em_moments_forward",
+    "em_quad_backward",
+    "em_quad_forward",
     "weighted_backward",
     "weighted_forward",
 ]
@@ -175,6 +179,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.capsctl_weighted_forward.restype = None
     lib.capsctl_weighted_backward.argtypes = [_PTR] * 7 + [_I64] * 8
     lib.capsctl_weighted_backward.restype = None
+    for name, ptrs in (
+        ("em_moments_forward", 6),
+        ("em_moments_backward", 10),
+        ("em_quad_forward", 5),
+        ("em_quad_backward", 8),
+    ):
+        fn = getattr(lib, f"capsctl_{name}")
+        fn.argtypes = [_PTR] * ptrs + [_I64] * 8
+        fn.restype = None
     return lib
 
 
@@ -326,3 +339,93 @@ def weighted_backward(
 
     run_spans(part, spans)
     return gx, _gw_sum(gws), gr
+
+
+def _em_run(name: str, x: Tensor, tensors: tuple[Tensor | None, ...], c: int, m: int) -> None:
+    """``capsctl_<name>(*tensors, J, B, a, x, c, m, b0, b1)`` over the threads' sites."""
+    fn = getattr(_library(), f"capsctl_{name}")
+    j, bsz, a, xd = x.shape
+    ptrs = [_ptr(t) for t in tensors]
+
+    def part(_: int, lo: int, hi: int) -> None:
+        fn(*ptrs, j, bsz, a, xd, c, m, lo, hi)
+
+    run_spans(part, _spans(x))
+
+
+def em_moments_forward(x: Tensor, wc: Tensor, shift: Tensor, r: Tensor, act: Tensor) -> Tensor:
+    """EM's M-step moments ``S[2, B, d, m] = sum_J r a (u, u^2)``, ``u = V - shift``, of child
+    poses ``x[J, B, a, x]``, weights ``wc[J, x, c*m]``, ``shift[B, d, m]``, assignments
+    ``r[B, m, J]`` and activations ``act[B, J]``, all contiguous
+    (:class:`capsctl.layers.em_kernels.VoteMoments`)."""
+    m = r.shape[1]
+    c = wc.shape[2] // m
+    out = x.new_empty(2, x.shape[1], shift.shape[1], m)  # [2, B, d, m]
+    _em_run("em_moments_forward", x, (x, wc, shift, r, act, out), c, m)
+    return out
+
+
+def em_moments_backward(
+    x: Tensor,
+    wc: Tensor,
+    shift: Tensor,
+    r: Tensor,
+    act: Tensor,
+    gs: Tensor,
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[Tensor | None, ...]:
+    """Gradients of ``r[B, m, J]``, ``act[B, J]``, ``x`` and ``wc`` from ``gs[2, B, d, m]``;
+    each only when ``needs`` says so."""
+    m = r.shape[1]
+    c = wc.shape[2] // m
+    spans = _spans(x)
+    gr = torch.empty_like(r) if needs[0] else None  # [B, m, J]
+    ga = torch.empty_like(act) if needs[1] else None  # [B, J]
+    gx = torch.empty_like(x) if needs[2] else None  # [J, B, a, x]
+    gws = [torch.zeros_like(wc) for _ in spans] if needs[3] else []  # [J, x, c*m] each
+    fn = _library().capsctl_em_moments_backward
+    j, bsz, a, xd = x.shape
+
+    def part(i: int, lo: int, hi: int) -> None:
+        ts = (x, wc, shift, r, act, gs, gr, ga, gx, gws[i] if gws else None)
+        fn(*(_ptr(t) for t in ts), j, bsz, a, xd, c, m, lo, hi)
+
+    run_spans(part, spans)
+    return gr, ga, gx, _gw_sum(gws)
+
+
+def em_quad_forward(x: Tensor, wc: Tensor, shift: Tensor, qp: Tensor) -> Tensor:
+    """EM's E-step quadratic form ``Q[B, m, J] = sum_d (q u + p u^2)`` with
+    ``qp[2, B, d, m]`` (:class:`capsctl.layers.em_kernels.VoteQuad`), all contiguous."""
+    m = qp.shape[3]
+    c = wc.shape[2] // m
+    out = x.new_empty(x.shape[1], m, x.shape[0])  # [B, m, J]
+    _em_run("em_quad_forward", x, (x, wc, shift, qp, out), c, m)
+    return out
+
+
+def em_quad_backward(
+    x: Tensor,
+    wc: Tensor,
+    shift: Tensor,
+    qp: Tensor,
+    gq: Tensor,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, ...]:
+    """Gradients of ``qp``, ``x`` and ``wc`` from ``gq[B, m, J]``; each only when ``needs``
+    says so."""
+    m = qp.shape[3]
+    c = wc.shape[2] // m
+    spans = _spans(x)
+    gqp = torch.empty_like(qp) if needs[0] else None  # [2, B, d, m]
+    gx = torch.empty_like(x) if needs[1] else None  # [J, B, a, x]
+    gws = [torch.zeros_like(wc) for _ in spans] if needs[2] else []  # [J, x, c*m] each
+    fn = _library().capsctl_em_quad_backward
+    j, bsz, a, xd = x.shape
+
+    def part(i: int, lo: int, hi: int) -> None:
+        ts = (x, wc, shift, qp, gq, gqp, gx, gws[i] if gws else None)
+        fn(*(_ptr(t) for t in ts), j, bsz, a, xd, c, m, lo, hi)
+
+    run_spans(part, spans)
+    return gqp, gx, _gw_sum(gws)

@@ -1,7 +1,8 @@
 // The routed pass of inverted dot-product attention routing (Tsai et al., ICLR 2020) as fused
-// loops: one child-parent-site triple at a time, its votes held in a few KiB of scratch, so that
-// building the votes, the agreement, the softmax over parents and the weighted sum run from the
-// core's first-level cache instead of as a dozen separate passes over vote-sized tiles.
+// loops: one child at a block of parent sites at a time, its votes held in a few KiB of scratch,
+// so that building the votes, the agreement, the softmax over parents and the weighted sum run
+// from the core's first two cache levels instead of as a dozen separate passes over vote-sized
+// tiles.
 //
 // Same math, letters and layouts as capsctl/layers/routing.py (its chunked pass is the
 // reference these loops are tested against):
@@ -23,10 +24,13 @@
 
 namespace {
 
-// Sites per block: the loop over children runs once per block, so each child's weights are
-// read from the cache once per block, while the block's parents (pq, s, gq, gp: BT * a*c*m
-// floats each) stay in the first two cache levels.
-constexpr int64_t BT = 8;
+// Sites per block: the loop over children runs once per block and builds the votes of the
+// block's sites together (each child's weights are read once per block, a column strip at a
+// time from the first-level cache), while the block's parents (pq, s, gq, gp: BT * a*c*m floats
+// each) stay in the first two cache levels.
+constexpr int64_t BT = 16;
+// Columns of the weights per strip of the votes' product: one 512-bit vector of floats.
+constexpr int64_t TC = 16;
 
 // Scratch of n floats on a 64-byte boundary: vectorized loops split their work by the alignment
 // of their operands, so an unaligned scratch could change the order of a sum from call to call
@@ -43,32 +47,62 @@ struct Dims {
   int64_t j, b, a, x, c, m;
 };
 
-// The pose and parent sizes, fixed at compile time where the template argument is > 0 (so the
-// loops over them unroll and the compiler keeps a pair's logits in registers), else at run time.
+// The pose and parent sizes, compile-time constants where the template argument is > 0 (so the
+// loops over them unroll and the compiler keeps a pair's logits in registers), else read at run
+// time.
 template <int A, int X, int C, int M>
 struct Shape {
-  int64_t a, x, c, m;
-  explicit Shape(const Dims& dd)
-      : a(A > 0 ? A : dd.a), x(X > 0 ? X : dd.x), c(C > 0 ? C : dd.c), m(M > 0 ? M : dd.m) {}
-  int64_t cm() const { return c * m; }
-  int64_t d() const { return a * c; }
-  int64_t dm() const { return a * c * m; }
-  int64_t ax() const { return a * x; }
+  int64_t a_, x_, c_, m_;
+  explicit Shape(const Dims& dd) : a_(dd.a), x_(dd.x), c_(dd.c), m_(dd.m) {}
+  int64_t a() const {
+    if constexpr (A > 0) return A;
+    return a_;
+  }
+  int64_t x() const {
+    if constexpr (X > 0) return X;
+    return x_;
+  }
+  int64_t c() const {
+    if constexpr (C > 0) return C;
+    return c_;
+  }
+  int64_t m() const {
+    if constexpr (M > 0) return M;
+    return m_;
+  }
+  int64_t cm() const { return c() * m(); }
+  int64_t d() const { return a() * c(); }
+  int64_t dm() const { return a() * c() * m(); }
+  int64_t ax() const { return a() * x(); }
 };
 
-// votes v[a, c, m] = x_ab[a, :] @ w_j[:, c, m]
+// votes v[r, c*m] = x[r, :] @ w_j[:, c*m] for the rows r = (site, a) of a block of sites:
+// a strip of TC columns of w_j at a time, hot in the cache for every row
 template <class S>
-inline void votes(const float* __restrict xa, const float* __restrict wj, float* __restrict v,
-                  const S& sh) {
-  const int64_t a_n = sh.a, x_n = sh.x, cm = sh.cm();
-  for (int64_t a = 0; a < a_n; ++a) {
-    float* __restrict va = v + a * cm;
-    const float* __restrict xr = xa + a * x_n;
+inline void block_votes(const float* __restrict xb, const float* __restrict wj,
+                        float* __restrict v, int64_t rows, const S& sh) {
+  const int64_t x_n = sh.x(), cm = sh.cm();
+  int64_t t0 = 0;
+  for (; t0 + TC <= cm; t0 += TC) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* __restrict xr = xb + r * x_n;
+      float* __restrict vr = v + r * cm + t0;
 #pragma omp simd
-    for (int64_t t = 0; t < cm; ++t) {
-      float acc = xr[0] * wj[t];
-      for (int64_t k = 1; k < x_n; ++k) acc += xr[k] * wj[k * cm + t];
-      va[t] = acc;
+      for (int64_t t = 0; t < TC; ++t) {
+        float acc = xr[0] * wj[t0 + t];
+        for (int64_t k = 1; k < x_n; ++k) acc += xr[k] * wj[k * cm + t0 + t];
+        vr[t] = acc;
+      }
+    }
+  }
+  const int64_t rest = cm - t0;  // columns after the last whole strip
+  for (int64_t r = 0; rest > 0 && r < rows; ++r) {
+    const float* __restrict xr = xb + r * x_n;
+    float* __restrict vr = v + r * cm + t0;
+    for (int64_t t = 0; t < rest; ++t) {
+      float acc = xr[0] * wj[t0 + t];
+      for (int64_t k = 1; k < x_n; ++k) acc += xr[k] * wj[k * cm + t0 + t];
+      vr[t] = acc;
     }
   }
 }
@@ -99,33 +133,63 @@ inline void softmax(float* __restrict l, int64_t m) {
   for (int64_t k = 0; k < m; ++k) l[k] *= inv;
 }
 
-// From the votes' gradient gv[a, c, m] of one pair: gx[a, x] = gv W^T, gw[x, c, m] += X^T gv.
+// acc[d, m] += coef[m] * v[d, m]
+inline void add_weighted(float* __restrict acc, const float* __restrict coef,
+                         const float* __restrict v, int64_t d, int64_t m) {
+  for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+    for (int64_t k = 0; k < m; ++k) acc[i * m + k] += coef[k] * v[i * m + k];
+  }
+}
+
+// From the votes' gradient gv[a, c, m] of one pair: gx[a, x] = gv W^T.
 template <class S>
-inline void vote_grads(const float* __restrict xa, const float* __restrict wj,
-                       const float* __restrict gv, float* __restrict gxa, float* __restrict gwj,
-                       const S& sh) {
-  const int64_t a_n = sh.a, x_n = sh.x, cm = sh.cm();
-  if (gxa != nullptr) {
-    for (int64_t a = 0; a < a_n; ++a) {
-      const float* __restrict ga = gv + a * cm;
-      for (int64_t k = 0; k < x_n; ++k) {
-        const float* __restrict wk = wj + k * cm;
-        float acc = 0.f;
+inline void grad_x(const float* __restrict wj, const float* __restrict gv, float* __restrict gxa,
+                   const S& sh) {
+  const int64_t a_n = sh.a(), x_n = sh.x(), cm = sh.cm();
+  for (int64_t a = 0; a < a_n; ++a) {
+    const float* __restrict ga = gv + a * cm;
+    for (int64_t k = 0; k < x_n; ++k) {
+      const float* __restrict wk = wj + k * cm;
+      float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t t = 0; t < cm; ++t) acc += ga[t] * wk[t];
-        gxa[a * x_n + k] = acc;
-      }
+      for (int64_t t = 0; t < cm; ++t) acc += ga[t] * wk[t];
+      gxa[a * x_n + k] = acc;
     }
   }
-  if (gwj != nullptr) {
-    for (int64_t k = 0; k < x_n; ++k) {
-      float* __restrict gwk = gwj + k * cm;
-      for (int64_t a = 0; a < a_n; ++a) {
-        const float xv = xa[a * x_n + k];
-        const float* __restrict ga = gv + a * cm;
+}
+
+// ... and gw_j[x, c, m] += X^T gv (the child's weights' gradient, one site's share).
+template <class S>
+inline void grad_w(const float* __restrict xa, const float* __restrict gv, float* __restrict gwj,
+                   const S& sh) {
+  const int64_t a_n = sh.a(), x_n = sh.x(), cm = sh.cm();
+  for (int64_t k = 0; k < x_n; ++k) {
+    float* __restrict gwk = gwj + k * cm;
+    for (int64_t a = 0; a < a_n; ++a) {
+      const float xv = xa[a * x_n + k];
+      const float* __restrict ga = gv + a * cm;
 #pragma omp simd
-        for (int64_t t = 0; t < cm; ++t) gwk[t] += xv * ga[t];
-      }
+      for (int64_t t = 0; t < cm; ++t) gwk[t] += xv * ga[t];
+    }
+  }
+}
+
+// The loop every pass shares: for each block of sites in [b0, b1), start(lo, hi); then for each
+// child j, the votes of the block's sites (into vb) and site(j, b, wj, v) for each site b with
+// its votes v[a, c, m]. want_votes == false skips the votes' product (a pass that needs none).
+template <class S, class Start, class Site>
+inline void for_pairs(const float* __restrict x, const float* __restrict w, const Dims& dd,
+                      const S& sh, float* __restrict vb, bool want_votes, int64_t b0, int64_t b1,
+                      Start start, Site site) {
+  const int64_t dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  for (int64_t lo = b0; lo < b1; lo += BT) {
+    const int64_t hi = std::min(b1, lo + BT);
+    start(lo, hi);
+    for (int64_t j = 0; j < dd.j; ++j) {
+      const float* __restrict wj = w + j * wn;
+      if (want_votes) block_votes(x + (j * dd.b + lo) * ax, wj, vb, (hi - lo) * sh.a(), sh);
+      for (int64_t b = lo; b < hi; ++b) site(j, b, wj, vb + (b - lo) * dm);
     }
   }
 }
@@ -134,29 +198,18 @@ template <int A, int X, int C, int M>
 void forward(const float* __restrict x, const float* __restrict w, const float* __restrict pq,
              float* __restrict s, float* __restrict r, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m, dm = sh.dm(), ax = sh.ax();
-  const Scratch scratch(dm + m);
-  float* __restrict v = scratch.data();
-  float* __restrict lg = v + dm;
-  for (int64_t lo = b0; lo < b1; lo += BT) {
-    const int64_t hi = std::min(b1, lo + BT);
-    std::fill(s + lo * dm, s + hi * dm, 0.f);
-    for (int64_t j = 0; j < dd.j; ++j) {
-      const float* __restrict wj = w + j * sh.x * sh.cm();
-      for (int64_t b = lo; b < hi; ++b) {
-        votes(x + (j * dd.b + b) * ax, wj, v, sh);
-        dot_d(v, pq + b * dm, lg, d, m);
-        softmax(lg, m);
-        float* __restrict rj = r + (j * dd.b + b) * m;
-        for (int64_t k = 0; k < m; ++k) rj[k] = lg[k];
-        float* __restrict sb = s + b * dm;
-        for (int64_t i = 0; i < d; ++i) {
-#pragma omp simd
-          for (int64_t k = 0; k < m; ++k) sb[i * m + k] += lg[k] * v[i * m + k];
-        }
-      }
-    }
-  }
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
+  const Scratch scratch(BT * dm + m);
+  float* __restrict lg = scratch.data() + BT * dm;
+  auto start = [&](int64_t lo, int64_t hi) { std::fill(s + lo * dm, s + hi * dm, 0.f); };
+  auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
+    dot_d(v, pq + b * dm, lg, d, m);
+    softmax(lg, m);
+    float* __restrict rj = r + (j * dd.b + b) * m;
+    for (int64_t k = 0; k < m; ++k) rj[k] = lg[k];
+    add_weighted(s + b * dm, lg, v, d, m);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
 }
 
 template <int A, int X, int C, int M>
@@ -165,46 +218,33 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
               float* __restrict gw, float* __restrict gp, const Dims& dd, int64_t b0,
               int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m, dm = sh.dm(), ax = sh.ax(), cm = sh.cm();
-  const int64_t x_n = sh.x;
-  const Scratch scratch(2 * dm + 2 * m);
-  float* __restrict v = scratch.data();
-  float* __restrict gv = v + dm;
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  const Scratch scratch(BT * dm + dm + 2 * m);
+  float* __restrict gv = scratch.data() + BT * dm;  // a pair's votes' gradient
   float* __restrict dr = gv + dm;
   float* __restrict da = dr + m;
-  for (int64_t lo = b0; lo < b1; lo += BT) {
-    const int64_t hi = std::min(b1, lo + BT);
+  auto start = [&](int64_t lo, int64_t hi) {
     if (gp != nullptr) std::fill(gp + lo * dm, gp + hi * dm, 0.f);
-    for (int64_t j = 0; j < dd.j; ++j) {
-      const float* __restrict wj = w + j * x_n * cm;
-      float* __restrict gwj = gw != nullptr ? gw + j * x_n * cm : nullptr;
-      for (int64_t b = lo; b < hi; ++b) {
-        const float* __restrict xa = x + (j * dd.b + b) * ax;
-        const float* __restrict rj = r + (j * dd.b + b) * m;
-        const float* __restrict gqb = gq + b * dm;
-        const float* __restrict pqb = pq + b * dm;
-        votes(xa, wj, v, sh);
-        dot_d(v, gqb, dr, d, m);
-        float dot = 0.f;
-        for (int64_t k = 0; k < m; ++k) dot += rj[k] * dr[k];
-        for (int64_t k = 0; k < m; ++k) da[k] = rj[k] * (dr[k] - dot);
-        if (gp != nullptr) {
-          float* __restrict gpb = gp + b * dm;
-          for (int64_t i = 0; i < d; ++i) {
+  };
+  auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
+    const float* __restrict rj = r + (j * dd.b + b) * m;
+    const float* __restrict gqb = gq + b * dm;
+    const float* __restrict pqb = pq + b * dm;
+    dot_d(v, gqb, dr, d, m);
+    float dot = 0.f;
+    for (int64_t k = 0; k < m; ++k) dot += rj[k] * dr[k];
+    for (int64_t k = 0; k < m; ++k) da[k] = rj[k] * (dr[k] - dot);
+    if (gp != nullptr) add_weighted(gp + b * dm, da, v, d, m);
+    if (gx == nullptr && gw == nullptr) return;
+    for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
-            for (int64_t k = 0; k < m; ++k) gpb[i * m + k] += da[k] * v[i * m + k];
-          }
-        }
-        if (gx == nullptr && gwj == nullptr) continue;
-        for (int64_t i = 0; i < d; ++i) {
-#pragma omp simd
-          for (int64_t k = 0; k < m; ++k)
-            gv[i * m + k] = rj[k] * gqb[i * m + k] + da[k] * pqb[i * m + k];
-        }
-        vote_grads(xa, wj, gv, gx != nullptr ? gx + (j * dd.b + b) * ax : nullptr, gwj, sh);
-      }
+      for (int64_t k = 0; k < m; ++k)
+        gv[i * m + k] = rj[k] * gqb[i * m + k] + da[k] * pqb[i * m + k];
     }
-  }
+    if (gx != nullptr) grad_x(wj, gv, gx + (j * dd.b + b) * ax, sh);
+    if (gw != nullptr) grad_w(x + (j * dd.b + b) * ax, gv, gw + j * wn, sh);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
 }
 
 // The weighted pass (capsctl/layers/weighted_pass.py): s[B, a, c, m] = sum_J r V with given
@@ -214,25 +254,13 @@ void weighted_forward(const float* __restrict x, const float* __restrict w,
                       const float* __restrict r, float* __restrict s, const Dims& dd,
                       int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m, dm = sh.dm(), ax = sh.ax();
-  const Scratch scratch(dm);
-  float* __restrict v = scratch.data();
-  for (int64_t lo = b0; lo < b1; lo += BT) {
-    const int64_t hi = std::min(b1, lo + BT);
-    std::fill(s + lo * dm, s + hi * dm, 0.f);
-    for (int64_t j = 0; j < dd.j; ++j) {
-      const float* __restrict wj = w + j * sh.x * sh.cm();
-      for (int64_t b = lo; b < hi; ++b) {
-        votes(x + (j * dd.b + b) * ax, wj, v, sh);
-        const float* __restrict rj = r + (j * dd.b + b) * m;
-        float* __restrict sb = s + b * dm;
-        for (int64_t i = 0; i < d; ++i) {
-#pragma omp simd
-          for (int64_t k = 0; k < m; ++k) sb[i * m + k] += rj[k] * v[i * m + k];
-        }
-      }
-    }
-  }
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
+  const Scratch scratch(BT * dm);
+  auto start = [&](int64_t lo, int64_t hi) { std::fill(s + lo * dm, s + hi * dm, 0.f); };
+  auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
+    add_weighted(s + b * dm, r + (j * dd.b + b) * m, v, d, m);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
 }
 
 template <int A, int X, int C, int M>
@@ -241,45 +269,203 @@ void weighted_backward(const float* __restrict x, const float* __restrict w,
                        float* __restrict gx, float* __restrict gw, float* __restrict gr,
                        const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m, dm = sh.dm(), ax = sh.ax(), cm = sh.cm();
-  const Scratch scratch(2 * dm);
-  float* __restrict v = scratch.data();
-  float* __restrict gv = v + dm;
-  for (int64_t lo = b0; lo < b1; lo += BT) {
-    const int64_t hi = std::min(b1, lo + BT);
-    for (int64_t j = 0; j < dd.j; ++j) {
-      const float* __restrict wj = w + j * sh.x * cm;
-      float* __restrict gwj = gw != nullptr ? gw + j * sh.x * cm : nullptr;
-      for (int64_t b = lo; b < hi; ++b) {
-        const float* __restrict xa = x + (j * dd.b + b) * ax;
-        const float* __restrict rj = r + (j * dd.b + b) * m;
-        const float* __restrict gqb = gq + b * dm;
-        if (gr != nullptr) {
-          votes(xa, wj, v, sh);
-          dot_d(v, gqb, gr + (j * dd.b + b) * m, d, m);
-        }
-        if (gx == nullptr && gwj == nullptr) continue;
-        for (int64_t i = 0; i < d; ++i) {
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  const Scratch scratch(BT * dm + dm);
+  float* __restrict gv = scratch.data() + BT * dm;  // a pair's votes' gradient
+  auto start = [](int64_t, int64_t) {};
+  auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
+    const float* __restrict rj = r + (j * dd.b + b) * m;
+    const float* __restrict gqb = gq + b * dm;
+    if (gr != nullptr) dot_d(v, gqb, gr + (j * dd.b + b) * m, d, m);
+    if (gx == nullptr && gw == nullptr) return;
+    for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
-          for (int64_t k = 0; k < m; ++k) gv[i * m + k] = rj[k] * gqb[i * m + k];
-        }
-        vote_grads(xa, wj, gv, gx != nullptr ? gx + (j * dd.b + b) * ax : nullptr, gwj, sh);
-      }
+      for (int64_t k = 0; k < m; ++k) gv[i * m + k] = rj[k] * gqb[i * m + k];
     }
-  }
+    if (gx != nullptr) grad_x(wj, gv, gx + (j * dd.b + b) * ax, sh);
+    if (gw != nullptr) grad_w(x + (j * dd.b + b) * ax, gv, gw + j * wn, sh);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), gr != nullptr, b0, b1, start, site);
 }
 
-// Runs f<A, X, C, M>() with the sizes fixed at compile time for 4x4 pose matrices and the
-// usual parent counts, at run time otherwise.
+// EM routing's vote-sized work (capsctl/layers/em_kernels.py: VoteMoments, VoteQuad) on the
+// shifted votes u = V - shift[B, a, c, m]: the M-step's moments S[2, B, a, c, m] = sum_J r a (u,
+// u^2) with assignments r[B, m, J] and child activations act[B, J], and the E-step's quadratic
+// form Q[B, m, J] = sum_d (q u + p u^2) with qp[2, B, a, c, m]; each backward is the other.
+// The votes of a site are shifted in place (each site's are used once per child).
+inline float* shifted(const float* v, const float* __restrict shift, int64_t dm) {
+  float* __restrict u = const_cast<float*>(v);
+#pragma omp simd
+  for (int64_t t = 0; t < dm; ++t) u[t] -= shift[t];
+  return u;
+}
+
+template <int A, int X, int C, int M>
+void moments_forward(const float* __restrict x, const float* __restrict w,
+                     const float* __restrict shift, const float* __restrict r,
+                     const float* __restrict act, float* __restrict out, const Dims& dd,
+                     int64_t b0, int64_t b1) {
+  const Shape<A, X, C, M> sh(dd);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
+  const Scratch scratch(BT * dm + m);
+  float* __restrict ra = scratch.data() + BT * dm;
+  auto start = [&](int64_t lo, int64_t hi) {
+    std::fill(out + lo * dm, out + hi * dm, 0.f);
+    std::fill(out + (nb + lo) * dm, out + (nb + hi) * dm, 0.f);
+  };
+  auto site = [&](int64_t j, int64_t b, const float*, const float* v) {
+    const float* __restrict u = shifted(v, shift + b * dm, dm);
+    const float ab = act[b * nj + j];
+    for (int64_t k = 0; k < m; ++k) ra[k] = r[(b * m + k) * nj + j] * ab;
+    float* __restrict s1 = out + b * dm;
+    float* __restrict s2 = out + (nb + b) * dm;
+    for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+      for (int64_t k = 0; k < m; ++k) {
+        const float ru = ra[k] * u[i * m + k];
+        s1[i * m + k] += ru;
+        s2[i * m + k] += ru * u[i * m + k];
+      }
+    }
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+}
+
+template <int A, int X, int C, int M>
+void moments_backward(const float* __restrict x, const float* __restrict w,
+                      const float* __restrict shift, const float* __restrict r,
+                      const float* __restrict act, const float* __restrict gs,
+                      float* __restrict gr, float* __restrict ga, float* __restrict gx,
+                      float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
+  const Shape<A, X, C, M> sh(dd);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  const int64_t nb = dd.b, nj = dd.j;
+  const Scratch scratch(BT * dm + dm + 2 * m);
+  float* __restrict dv = scratch.data() + BT * dm;  // a pair's votes' gradient
+  float* __restrict g = dv + dm;
+  float* __restrict ra = g + m;
+  auto start = [](int64_t, int64_t) {};
+  auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* v) {
+    const float* __restrict u = shifted(v, shift + b * dm, dm);
+    const float* __restrict g1 = gs + b * dm;
+    const float* __restrict g2 = gs + (nb + b) * dm;
+    const float ab = act[b * nj + j];
+    if (gr != nullptr || ga != nullptr) {
+      for (int64_t k = 0; k < m; ++k) g[k] = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+        for (int64_t k = 0; k < m; ++k) {
+          const float uu = u[i * m + k];
+          g[k] += (g1[i * m + k] + g2[i * m + k] * uu) * uu;
+        }
+      }
+      float gab = 0.f;
+      for (int64_t k = 0; k < m; ++k) {
+        if (gr != nullptr) gr[(b * m + k) * nj + j] = g[k] * ab;
+        gab += g[k] * r[(b * m + k) * nj + j];
+      }
+      if (ga != nullptr) ga[b * nj + j] = gab;
+    }
+    if (gx == nullptr && gw == nullptr) return;
+    for (int64_t k = 0; k < m; ++k) ra[k] = r[(b * m + k) * nj + j] * ab;
+    for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+      for (int64_t k = 0; k < m; ++k)
+        dv[i * m + k] = ra[k] * (g1[i * m + k] + 2.f * u[i * m + k] * g2[i * m + k]);
+    }
+    if (gx != nullptr) grad_x(wj, dv, gx + (j * nb + b) * ax, sh);
+    if (gw != nullptr) grad_w(x + (j * nb + b) * ax, dv, gw + j * wn, sh);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+}
+
+template <int A, int X, int C, int M>
+void quad_forward(const float* __restrict x, const float* __restrict w,
+                  const float* __restrict shift, const float* __restrict qp,
+                  float* __restrict out, const Dims& dd, int64_t b0, int64_t b1) {
+  const Shape<A, X, C, M> sh(dd);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
+  const Scratch scratch(BT * dm + m);
+  float* __restrict q = scratch.data() + BT * dm;
+  auto start = [](int64_t, int64_t) {};
+  auto site = [&](int64_t j, int64_t b, const float*, const float* v) {
+    const float* __restrict u = shifted(v, shift + b * dm, dm);
+    const float* __restrict q1 = qp + b * dm;
+    const float* __restrict q2 = qp + (nb + b) * dm;
+    for (int64_t k = 0; k < m; ++k) q[k] = 0.f;
+    for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+      for (int64_t k = 0; k < m; ++k) {
+        const float uu = u[i * m + k];
+        q[k] += (q1[i * m + k] + q2[i * m + k] * uu) * uu;
+      }
+    }
+    for (int64_t k = 0; k < m; ++k) out[(b * m + k) * nj + j] = q[k];
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+}
+
+template <int A, int X, int C, int M>
+void quad_backward(const float* __restrict x, const float* __restrict w,
+                   const float* __restrict shift, const float* __restrict qp,
+                   const float* __restrict gq, float* __restrict gqp, float* __restrict gx,
+                   float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
+  const Shape<A, X, C, M> sh(dd);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  const int64_t nb = dd.b, nj = dd.j;
+  const Scratch scratch(BT * dm + dm + m);
+  float* __restrict dv = scratch.data() + BT * dm;  // a pair's votes' gradient
+  float* __restrict g = dv + dm;
+  auto start = [&](int64_t lo, int64_t hi) {
+    if (gqp == nullptr) return;
+    std::fill(gqp + lo * dm, gqp + hi * dm, 0.f);
+    std::fill(gqp + (nb + lo) * dm, gqp + (nb + hi) * dm, 0.f);
+  };
+  auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* v) {
+    const float* __restrict u = shifted(v, shift + b * dm, dm);
+    for (int64_t k = 0; k < m; ++k) g[k] = gq[(b * m + k) * nj + j];
+    if (gqp != nullptr) {
+      float* __restrict h1 = gqp + b * dm;
+      float* __restrict h2 = gqp + (nb + b) * dm;
+      for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+        for (int64_t k = 0; k < m; ++k) {
+          const float gu = g[k] * u[i * m + k];
+          h1[i * m + k] += gu;
+          h2[i * m + k] += gu * u[i * m + k];
+        }
+      }
+    }
+    if (gx == nullptr && gw == nullptr) return;
+    const float* __restrict q1 = qp + b * dm;
+    const float* __restrict q2 = qp + (nb + b) * dm;
+    for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+      for (int64_t k = 0; k < m; ++k)
+        dv[i * m + k] = g[k] * (q1[i * m + k] + 2.f * u[i * m + k] * q2[i * m + k]);
+    }
+    if (gx != nullptr) grad_x(wj, dv, gx + (j * nb + b) * ax, sh);
+    if (gw != nullptr) grad_w(x + (j * nb + b) * ax, dv, gw + j * wn, sh);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+}
+
+// Runs f<A, X, C, M>() with the sizes fixed at compile time for 4x4 pose matrices, 16-d pose
+// vectors and the usual parent counts, at run time otherwise.
 #define CAPSCTL_DISPATCH(f, ...)                          \
   do {                                                    \
     const bool square = dd.a == 4 && dd.x == 4 && dd.c == 4; \
+    const bool vec16 = dd.a == 1 && dd.x == 16 && dd.c == 16; \
     if (square && dd.m == 32) {                           \
       f<4, 4, 4, 32>(__VA_ARGS__);                        \
     } else if (square && dd.m == 10) {                    \
       f<4, 4, 4, 10>(__VA_ARGS__);                        \
     } else if (square) {                                  \
       f<4, 4, 4, 0>(__VA_ARGS__);                         \
+    } else if (vec16 && dd.m == 32) {                     \
+      f<1, 16, 16, 32>(__VA_ARGS__);                      \
+    } else if (vec16 && dd.m == 10) {                     \
+      f<1, 16, 16, 10>(__VA_ARGS__);                      \
     } else {                                              \
       f<0, 0, 0, 0>(__VA_ARGS__);                         \
     }                                                     \
@@ -319,6 +505,37 @@ void capsctl_weighted_backward(const float* x, const float* w, const float* r, c
                                int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(weighted_backward, x, w, r, gq, gx, gw, gr, dd, b0, b1);
+}
+
+void capsctl_em_moments_forward(const float* x, const float* w, const float* shift,
+                                const float* r, const float* act, float* out, int64_t j,
+                                int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
+                                int64_t b0, int64_t b1) {
+  const Dims dd{j, b, a, xd, c, m};
+  CAPSCTL_DISPATCH(moments_forward, x, w, shift, r, act, out, dd, b0, b1);
+}
+
+void capsctl_em_moments_backward(const float* x, const float* w, const float* shift,
+                                 const float* r, const float* act, const float* gs, float* gr,
+                                 float* ga, float* gx, float* gw, int64_t j, int64_t b, int64_t a,
+                                 int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
+  const Dims dd{j, b, a, xd, c, m};
+  CAPSCTL_DISPATCH(moments_backward, x, w, shift, r, act, gs, gr, ga, gx, gw, dd, b0, b1);
+}
+
+void capsctl_em_quad_forward(const float* x, const float* w, const float* shift,
+                             const float* qp, float* out, int64_t j, int64_t b, int64_t a,
+                             int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
+  const Dims dd{j, b, a, xd, c, m};
+  CAPSCTL_DISPATCH(quad_forward, x, w, shift, qp, out, dd, b0, b1);
+}
+
+void capsctl_em_quad_backward(const float* x, const float* w, const float* shift,
+                              const float* qp, const float* gq, float* gqp, float* gx, float* gw,
+                              int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
+                              int64_t b0, int64_t b1) {
+  const Dims dd{j, b, a, xd, c, m};
+  CAPSCTL_DISPATCH(quad_backward, x, w, shift, qp, gq, gqp, gx, gw, dd, b0, b1);
 }
 
 }  // extern "C"
