@@ -299,6 +299,7 @@ def test_compare_json_and_suite(
     assert code == 2 and "unknown" in err
 
 
+@pytest.mark.usefixtures("eager_routing")  # the chunk size is the torch code's (not the loops')
 def test_a_bad_chunk_size_in_the_environment_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

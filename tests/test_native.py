@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from capsctl.layers import native
+from capsctl.layers import native, native_passes
 from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
 from capsctl.layers.routing import routed_pass
 from capsctl.layers.weighted_pass import weighted_pass
@@ -188,13 +188,13 @@ def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch
     """Without this the tests above could pass by running the torch code twice."""
     _require_native()
     calls = []
-    real = native.routed_forward
+    real = native_passes.routed_forward
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(native, "routed_forward", spy)
+    monkeypatch.setattr(native_passes, "routed_forward", spy)
     x, w, p = _inputs(SHAPES[0], 6)
     routed_pass(x, w, p, 0.5)
     assert calls

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from capsctl.layers import native
+from capsctl.layers import native, native_passes
 from capsctl.layers.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 
 # Bytes of votes per chunk of parent sites on a CPU; 0 (the default): chunks.py decides.
@@ -172,7 +172,7 @@ class VoteMoments(torch.autograd.Function):
         if native.usable(r, a, x, wc, shift) and not _CHUNK["sites"]:
             r, a = r.contiguous(), a.contiguous()  # [B, m, J], [B, J]
             ctx.save_for_backward(r, a, x, wc, shift)
-            return native.em_moments_forward(x, wc, shift, r, a)  # [2, B, d, m]
+            return native_passes.em_moments_forward(x, wc, shift, r, a)  # [2, B, d, m]
         votes = _Votes(x, wc, shift)
         out = x.new_empty(2, x.shape[1], votes.d, votes.m)  # [2, B, d, m]
 
@@ -191,7 +191,7 @@ class VoteMoments(torch.autograd.Function):
         if native.usable(r, a, x, wc, shift, gs) and not _CHUNK["sites"]:
             r, a, gs = r.contiguous(), a.contiguous(), gs.contiguous()
             needs = tuple(ctx.needs_input_grad[:4])
-            gr, ga, gx, gw = native.em_moments_backward(x, wc, shift, r, a, gs, needs)  # type: ignore[arg-type]
+            gr, ga, gx, gw = native_passes.em_moments_backward(x, wc, shift, r, a, gs, needs)  # type: ignore[arg-type]
             return gr, ga, gx, gw, None
         votes = _Votes(x, wc, shift)
         gr = r.new_empty(r.shape) if ctx.needs_input_grad[0] else None  # [B, m, J]
@@ -228,7 +228,7 @@ class VoteQuad(torch.autograd.Function):
         qp = qp.contiguous()  # [2, B, d, m]
         if native.usable(qp, x, wc, shift) and not _CHUNK["sites"]:
             ctx.save_for_backward(qp, x, wc, shift)
-            return native.em_quad_forward(x, wc, shift, qp)  # [B, m, J]
+            return native_passes.em_quad_forward(x, wc, shift, qp)  # [B, m, J]
         votes = _Votes(x, wc, shift)
         out = x.new_empty(x.shape[1], votes.m, x.shape[0])  # [B, m, J]
 
@@ -246,7 +246,7 @@ class VoteQuad(torch.autograd.Function):
         qp, x, wc, shift = ctx.saved_tensors
         if native.usable(qp, x, wc, shift, gq) and not _CHUNK["sites"]:
             needs = tuple(ctx.needs_input_grad[:3])
-            gqp, gx, gw = native.em_quad_backward(x, wc, shift, qp, gq.contiguous(), needs)  # type: ignore[arg-type]
+            gqp, gx, gw = native_passes.em_quad_backward(x, wc, shift, qp, gq.contiguous(), needs)  # type: ignore[arg-type]
             return gqp, gx, gw, None
         votes = _Votes(x, wc, shift)
         gqp = torch.empty_like(qp) if ctx.needs_input_grad[0] else None  # [2, B, d, m]

@@ -55,7 +55,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from capsctl.layers import native
+from capsctl.layers import native, native_passes
 from capsctl.layers.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.vote_tiles import (
@@ -131,7 +131,7 @@ def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Ten
     x, wc = _prepare(x, w)
     pq = _site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
     if native.usable(x, wc, pq):
-        sn, rn = native.routed_forward(x, wc, pq, c)  # [B, d, m], [J, B, m]
+        sn, rn = native_passes.routed_forward(x, wc, pq, c)  # [B, d, m], [J, B, m]
         return _parent_major(sn, a, c), rn
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
@@ -194,7 +194,7 @@ def _chunked_backward(
     pq = _site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = _site_major(gs)  # [B, d, m]
     if native.usable(x, wc, pq, r, gq):
-        gx, gwc, gpq = native.routed_backward(x, wc, pq, r, gq, c, needs[:3])
+        gx, gwc, gpq = native_passes.routed_backward(x, wc, pq, r, gq, c, needs[:3])
         return _native_grads(gx, gwc, gpq, a, c, scale)
     jc, bc, spans = _plan(x, m, d)
     acc = _Gradients(x, wc, d, m, bc, jc, needs, len(spans))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from capsctl.layers import native
+from capsctl.layers import native, native_passes
 from capsctl.layers.chunks import run_spans
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE, _plan
@@ -34,7 +34,7 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
     d = a * c
     x, wc = _prepare(x, w)
     if sites is None and native.usable(x, wc, r):
-        return _parent_major(native.weighted_forward(x, wc, r.contiguous(), c), a, c)
+        return _parent_major(native_passes.weighted_forward(x, wc, r.contiguous(), c), a, c)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     jc, bc, spans = _plan(x, m, d, sites)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
@@ -62,7 +62,7 @@ def _weighted_backward(
     x, wc = _prepare(x, w)
     gq = _site_major(gs)  # [B, d, m]
     if sites is None and native.usable(x, wc, r, gq):
-        gx, gwc, gr = native.weighted_backward(x, wc, r.contiguous(), gq, c, needs[:3])
+        gx, gwc, gr = native_passes.weighted_backward(x, wc, r.contiguous(), gq, c, needs[:3])
         gw = None
         if gwc is not None:
             gw = gwc.view(j, -1, c, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
