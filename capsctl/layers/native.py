@@ -176,6 +176,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("em_moments_backward", 10),
         ("em_quad_forward", 5),
         ("em_quad_backward", 8),
+        ("gated_forward", 7),
+        ("gated_backward", 10),
     ):
         fn = getattr(lib, f"capsctl_{name}")
         fn.argtypes = [_PTR] * ptrs + [_I64] * 8

@@ -17,6 +17,8 @@ __all__ = [
     "em_moments_forward",
     "em_quad_backward",
     "em_quad_forward",
+    "gated_backward",
+    "gated_forward",
     "routed_backward",
     "routed_forward",
     "weighted_backward",
@@ -129,7 +131,7 @@ def weighted_backward(
     return gx, _gw_sum(gws), gr
 
 
-def _em_run(name: str, x: Tensor, tensors: tuple[Tensor | None, ...], c: int, m: int) -> None:
+def _run(name: str, x: Tensor, tensors: tuple[Tensor | None, ...], c: int, m: int) -> None:
     """``capsctl_<name>(*tensors, J, B, a, x, c, m, b0, b1)`` over the threads' sites."""
     fn = getattr(library(), f"capsctl_{name}")
     j, bsz, a, xd = x.shape
@@ -149,7 +151,7 @@ def em_moments_forward(x: Tensor, wc: Tensor, shift: Tensor, r: Tensor, act: Ten
     m = r.shape[1]
     c = wc.shape[2] // m
     out = x.new_empty(2, x.shape[1], shift.shape[1], m)  # [2, B, d, m]
-    _em_run("em_moments_forward", x, (x, wc, shift, r, act, out), c, m)
+    _run("em_moments_forward", x, (x, wc, shift, r, act, out), c, m)
     return out
 
 
@@ -188,7 +190,7 @@ def em_quad_forward(x: Tensor, wc: Tensor, shift: Tensor, qp: Tensor) -> Tensor:
     m = qp.shape[3]
     c = wc.shape[2] // m
     out = x.new_empty(x.shape[1], m, x.shape[0])  # [B, m, J]
-    _em_run("em_quad_forward", x, (x, wc, shift, qp, out), c, m)
+    _run("em_quad_forward", x, (x, wc, shift, qp, out), c, m)
     return out
 
 
@@ -217,3 +219,49 @@ def em_quad_backward(
 
     run_spans(part, spans)
     return gqp, gx, _gw_sum(gws)
+
+
+def gated_forward(
+    x: Tensor, wc: Tensor, lg: Tensor, act: Tensor, c: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Self-routing's pass: ``S[B, d, m] = sum_J c a V``, the total mass ``[B, m] = sum_J c a``
+    and the coefficients ``c[J, B, m] = softmax_m(lg)`` of child poses ``x[J, B, a, x]``,
+    weights ``wc[J, x, c*m]``, routing logits ``lg[J, B, m]`` and activations ``act[B, J]``,
+    all contiguous."""
+    j, bsz, a, _ = x.shape
+    m = lg.shape[2]
+    s = x.new_empty(bsz, a * c, m)  # [B, d, m]
+    tot = x.new_empty(bsz, m)  # [B, m]
+    cs = torch.empty_like(lg)  # [J, B, m]
+    _run("gated_forward", x, (x, wc, lg, act, s, tot, cs), c, m)
+    return s, tot, cs
+
+
+def gated_backward(
+    x: Tensor,
+    wc: Tensor,
+    cs: Tensor,
+    act: Tensor,
+    gs: Tensor,
+    gt: Tensor,
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[Tensor | None, ...]:
+    """Gradients of the logits ``[J, B, m]``, ``act[B, J]``, ``x`` and ``wc`` from
+    ``gs[B, d, m]`` (of ``S``) and ``gt[B, m]`` (of the total mass); each only when ``needs``
+    says so."""
+    j, bsz, a, xd = x.shape
+    m = cs.shape[2]
+    c = wc.shape[2] // m
+    spans = _spans(x)
+    glg = torch.empty_like(cs) if needs[0] else None  # [J, B, m]
+    gact = torch.empty_like(act) if needs[1] else None  # [B, J]
+    gx = torch.empty_like(x) if needs[2] else None  # [J, B, a, x]
+    gws = [torch.zeros_like(wc) for _ in spans] if needs[3] else []  # [J, x, c*m] each
+    fn = library().capsctl_gated_backward
+
+    def part(i: int, lo: int, hi: int) -> None:
+        ts = (x, wc, cs, act, gs, gt, glg, gact, gx, gws[i] if gws else None)
+        fn(*(_ptr(t) for t in ts), j, bsz, a, xd, c, m, lo, hi)
+
+    run_spans(part, spans)
+    return glg, gact, gx, _gw_sum(gws)

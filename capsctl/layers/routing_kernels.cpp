@@ -175,13 +175,90 @@ inline void grad_w(const float* __restrict xa, const float* __restrict gv, float
   }
 }
 
+// The gradients of x and w from the votes' gradients g[a, c, m] of the pairs (j, b) of one
+// block of sites. Per pair (grad_x, grad_w) in general; for 16-d pose vectors, whose weights
+// (16 x c*m floats per child) outgrow the first-level cache, per block: the block's gradients
+// are kept (slot) and both products run once per child over the whole block (block), each
+// weight row read once per block instead of once per site.
+template <int A, int X, int C, int M>
+struct VoteGrads {
+  static constexpr bool kBlock = A == 1 && X == 16;
+  const Shape<A, X, C, M>& sh;
+  const float* __restrict x;
+  float* __restrict gx;
+  float* __restrict gw;
+  int64_t nb, b0;
+  Scratch buf;  // the block's votes' gradients [BT, dm] (one slot without kBlock), then w^T
+
+  VoteGrads(const Shape<A, X, C, M>& s, const float* x_, float* gx_, float* gw_, int64_t nb_,
+            int64_t b0_)
+      : sh(s), x(x_), gx(gx_), gw(gw_), nb(nb_), b0(b0_),
+        buf(kBlock ? 2 * BT * s.dm() : s.dm()) {}
+
+  bool wanted() const { return gx != nullptr || gw != nullptr; }
+  // where the gradient of pair (j, b) goes
+  float* slot(int64_t b) const { return kBlock ? buf.data() + ((b - b0) % BT) * sh.dm() : buf.data(); }
+
+  void pair(int64_t j, int64_t b, const float* __restrict wj, const float* __restrict g) const {
+    if constexpr (!kBlock) {
+      const int64_t ax = sh.ax();
+      if (gx != nullptr) grad_x(wj, g, gx + (j * nb + b) * ax, sh);
+      if (gw != nullptr) grad_w(x + (j * nb + b) * ax, g, gw + j * sh.x() * sh.cm(), sh);
+    }
+  }
+
+  void block(int64_t j, int64_t lo, int64_t hi, const float* __restrict wj) const {
+    if constexpr (kBlock) {
+      if (!wanted()) return;
+      const int64_t cm = sh.cm(), rows = hi - lo;
+      float* __restrict g = buf.data();  // [BT, cm]; rows past hi - lo are zeroed
+      std::fill(g + rows * cm, g + BT * cm, 0.f);
+      const float* __restrict xb = x + (j * nb + lo) * X;  // [rows, 16]
+      if (gx != nullptr) {
+        float* __restrict wt = buf.data() + BT * cm;  // w_j^T [cm, 16]
+        for (int64_t k = 0; k < X; ++k)
+          for (int64_t t = 0; t < cm; ++t) wt[t * X + k] = wj[k * cm + t];
+        float acc[BT][X] = {};
+        for (int64_t t = 0; t < cm; ++t) {
+          for (int64_t r = 0; r < BT; ++r) {
+            const float gr = g[r * cm + t];
+#pragma omp simd
+            for (int64_t k = 0; k < X; ++k) acc[r][k] += gr * wt[t * X + k];
+          }
+        }
+        float* __restrict gxb = gx + (j * nb + lo) * X;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < X; ++k) gxb[r * X + k] = acc[r][k];
+      }
+      if (gw != nullptr) {
+        float* __restrict gwj = gw + j * X * cm;
+        for (int64_t t0 = 0; t0 < cm; t0 += TC) {  // cm = 16 * m: whole strips
+          float acc[X][TC];
+          for (int64_t k = 0; k < X; ++k)
+            for (int64_t t = 0; t < TC; ++t) acc[k][t] = gwj[k * cm + t0 + t];
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t k = 0; k < X; ++k) {
+              const float xv = xb[r * X + k];
+#pragma omp simd
+              for (int64_t t = 0; t < TC; ++t) acc[k][t] += xv * g[r * cm + t0 + t];
+            }
+          }
+          for (int64_t k = 0; k < X; ++k)
+            for (int64_t t = 0; t < TC; ++t) gwj[k * cm + t0 + t] = acc[k][t];
+        }
+      }
+    }
+  }
+};
+
 // The loop every pass shares: for each block of sites in [b0, b1), start(lo, hi); then for each
-// child j, the votes of the block's sites (into vb) and site(j, b, wj, v) for each site b with
-// its votes v[a, c, m]. want_votes == false skips the votes' product (a pass that needs none).
-template <class S, class Start, class Site>
+// child j, the votes of the block's sites (into vb), site(j, b, wj, v) for each site b with its
+// votes v[a, c, m], then done(j, lo, hi, wj). want_votes == false skips the votes' product (a
+// pass that needs none).
+template <class S, class Start, class Site, class Done>
 inline void for_pairs(const float* __restrict x, const float* __restrict w, const Dims& dd,
                       const S& sh, float* __restrict vb, bool want_votes, int64_t b0, int64_t b1,
-                      Start start, Site site) {
+                      Start start, Site site, Done done) {
   const int64_t dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
   for (int64_t lo = b0; lo < b1; lo += BT) {
     const int64_t hi = std::min(b1, lo + BT);
@@ -190,6 +267,7 @@ inline void for_pairs(const float* __restrict x, const float* __restrict w, cons
       const float* __restrict wj = w + j * wn;
       if (want_votes) block_votes(x + (j * dd.b + lo) * ax, wj, vb, (hi - lo) * sh.a(), sh);
       for (int64_t b = lo; b < hi; ++b) site(j, b, wj, vb + (b - lo) * dm);
+      done(j, lo, hi, wj);
     }
   }
 }
@@ -209,7 +287,8 @@ void forward(const float* __restrict x, const float* __restrict w, const float* 
     for (int64_t k = 0; k < m; ++k) rj[k] = lg[k];
     add_weighted(s + b * dm, lg, v, d, m);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [](int64_t, int64_t, int64_t, const float*) {};
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -218,10 +297,10 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
               float* __restrict gw, float* __restrict gp, const Dims& dd, int64_t b0,
               int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
-  const Scratch scratch(BT * dm + dm + 2 * m);
-  float* __restrict gv = scratch.data() + BT * dm;  // a pair's votes' gradient
-  float* __restrict dr = gv + dm;
+  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, dd.b, b0);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
+  const Scratch scratch(BT * dm + 2 * m);
+  float* __restrict dr = scratch.data() + BT * dm;
   float* __restrict da = dr + m;
   auto start = [&](int64_t lo, int64_t hi) {
     if (gp != nullptr) std::fill(gp + lo * dm, gp + hi * dm, 0.f);
@@ -235,16 +314,17 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
     for (int64_t k = 0; k < m; ++k) dot += rj[k] * dr[k];
     for (int64_t k = 0; k < m; ++k) da[k] = rj[k] * (dr[k] - dot);
     if (gp != nullptr) add_weighted(gp + b * dm, da, v, d, m);
-    if (gx == nullptr && gw == nullptr) return;
+    if (!vg.wanted()) return;
+    float* __restrict gv = vg.slot(b);
     for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
       for (int64_t k = 0; k < m; ++k)
         gv[i * m + k] = rj[k] * gqb[i * m + k] + da[k] * pqb[i * m + k];
     }
-    if (gx != nullptr) grad_x(wj, gv, gx + (j * dd.b + b) * ax, sh);
-    if (gw != nullptr) grad_w(x + (j * dd.b + b) * ax, gv, gw + j * wn, sh);
+    vg.pair(j, b, wj, gv);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 // The weighted pass (capsctl/layers/weighted_pass.py): s[B, a, c, m] = sum_J r V with given
@@ -260,7 +340,8 @@ void weighted_forward(const float* __restrict x, const float* __restrict w,
   auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
     add_weighted(s + b * dm, r + (j * dd.b + b) * m, v, d, m);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [](int64_t, int64_t, int64_t, const float*) {};
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -269,23 +350,104 @@ void weighted_backward(const float* __restrict x, const float* __restrict w,
                        float* __restrict gx, float* __restrict gw, float* __restrict gr,
                        const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
-  const Scratch scratch(BT * dm + dm);
-  float* __restrict gv = scratch.data() + BT * dm;  // a pair's votes' gradient
+  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, dd.b, b0);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
+  const Scratch scratch(BT * dm);
   auto start = [](int64_t, int64_t) {};
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
     const float* __restrict rj = r + (j * dd.b + b) * m;
     const float* __restrict gqb = gq + b * dm;
     if (gr != nullptr) dot_d(v, gqb, gr + (j * dd.b + b) * m, d, m);
-    if (gx == nullptr && gw == nullptr) return;
+    if (!vg.wanted()) return;
+    float* __restrict gv = vg.slot(b);
     for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
       for (int64_t k = 0; k < m; ++k) gv[i * m + k] = rj[k] * gqb[i * m + k];
     }
-    if (gx != nullptr) grad_x(wj, gv, gx + (j * dd.b + b) * ax, sh);
-    if (gw != nullptr) grad_w(x + (j * dd.b + b) * ax, gv, gw + j * wn, sh);
+    vg.pair(j, b, wj, gv);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), gr != nullptr, b0, b1, start, site);
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
+  for_pairs(x, w, dd, sh, scratch.data(), gr != nullptr, b0, b1, start, site, done);
+}
+
+// Self-routing's whole pass (capsctl/layers/self_routing.py): the coefficients from the child's
+// own routing logits, c = softmax_m(lg[J, B, m]), the mass c a with the child activations
+// act[B, J], the mass-weighted sum s[B, a, c, m] = sum_J c a V and the total mass
+// tot[B, m] = sum_J c a; c is written out (cs[J, B, m]). Backward, from gs = d loss / d s and
+// gt = d loss / d tot: dmass = sum_d V gs + gt; dact = sum_m dmass c;
+// dlg = c (dmass a - sum_m c dmass a); dV = c a gs.
+template <int A, int X, int C, int M>
+void gated_forward(const float* __restrict x, const float* __restrict w,
+                   const float* __restrict lg, const float* __restrict act,
+                   float* __restrict s, float* __restrict tot, float* __restrict cs,
+                   const Dims& dd, int64_t b0, int64_t b1) {
+  const Shape<A, X, C, M> sh(dd);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
+  const Scratch scratch(BT * dm + m);
+  float* __restrict mass = scratch.data() + BT * dm;
+  auto start = [&](int64_t lo, int64_t hi) {
+    std::fill(s + lo * dm, s + hi * dm, 0.f);
+    std::fill(tot + lo * m, tot + hi * m, 0.f);
+  };
+  auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
+    float* __restrict cj = cs + (j * nb + b) * m;
+    for (int64_t k = 0; k < m; ++k) cj[k] = lg[(j * nb + b) * m + k];
+    softmax(cj, m);
+    const float ab = act[b * nj + j];
+    float* __restrict tb = tot + b * m;
+    for (int64_t k = 0; k < m; ++k) {
+      mass[k] = cj[k] * ab;
+      tb[k] += mass[k];
+    }
+    add_weighted(s + b * dm, mass, v, d, m);
+  };
+  auto done = [](int64_t, int64_t, int64_t, const float*) {};
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+}
+
+template <int A, int X, int C, int M>
+void gated_backward(const float* __restrict x, const float* __restrict w,
+                    const float* __restrict cs, const float* __restrict act,
+                    const float* __restrict gs, const float* __restrict gt,
+                    float* __restrict glg, float* __restrict gact, float* __restrict gx,
+                    float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
+  const Shape<A, X, C, M> sh(dd);
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
+  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, nb, b0);
+  const Scratch scratch(BT * dm + 2 * m);
+  float* __restrict dmass = scratch.data() + BT * dm;
+  float* __restrict mass = dmass + m;
+  const bool coef = glg != nullptr || gact != nullptr;
+  auto start = [](int64_t, int64_t) {};
+  auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
+    const float* __restrict cj = cs + (j * nb + b) * m;
+    const float* __restrict gsb = gs + b * dm;
+    const float ab = act[b * nj + j];
+    if (coef) {
+      dot_d(v, gsb, dmass, d, m);
+      float dot = 0.f, ga = 0.f;
+      for (int64_t k = 0; k < m; ++k) {
+        dmass[k] += gt[b * m + k];
+        ga += dmass[k] * cj[k];
+        dot += cj[k] * dmass[k] * ab;
+      }
+      if (gact != nullptr) gact[b * nj + j] = ga;
+      if (glg != nullptr) {
+        float* __restrict gl = glg + (j * nb + b) * m;
+        for (int64_t k = 0; k < m; ++k) gl[k] = cj[k] * (dmass[k] * ab - dot);
+      }
+    }
+    if (!vg.wanted()) return;
+    for (int64_t k = 0; k < m; ++k) mass[k] = cj[k] * ab;
+    float* __restrict gv = vg.slot(b);
+    for (int64_t i = 0; i < d; ++i) {
+#pragma omp simd
+      for (int64_t k = 0; k < m; ++k) gv[i * m + k] = mass[k] * gsb[i * m + k];
+    }
+    vg.pair(j, b, wj, gv);
+  };
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
+  for_pairs(x, w, dd, sh, scratch.data(), coef, b0, b1, start, site, done);
 }
 
 // EM routing's vote-sized work (capsctl/layers/em_kernels.py: VoteMoments, VoteQuad) on the
@@ -328,7 +490,8 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
       }
     }
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [](int64_t, int64_t, int64_t, const float*) {};
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -338,11 +501,11 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
                       float* __restrict gr, float* __restrict ga, float* __restrict gx,
                       float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
-  const Scratch scratch(BT * dm + dm + 2 * m);
-  float* __restrict dv = scratch.data() + BT * dm;  // a pair's votes' gradient
-  float* __restrict g = dv + dm;
+  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, nb, b0);
+  const Scratch scratch(BT * dm + 2 * m);
+  float* __restrict g = scratch.data() + BT * dm;
   float* __restrict ra = g + m;
   auto start = [](int64_t, int64_t) {};
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* v) {
@@ -366,17 +529,18 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
       }
       if (ga != nullptr) ga[b * nj + j] = gab;
     }
-    if (gx == nullptr && gw == nullptr) return;
+    if (!vg.wanted()) return;
+    float* __restrict dv = vg.slot(b);
     for (int64_t k = 0; k < m; ++k) ra[k] = r[(b * m + k) * nj + j] * ab;
     for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
       for (int64_t k = 0; k < m; ++k)
         dv[i * m + k] = ra[k] * (g1[i * m + k] + 2.f * u[i * m + k] * g2[i * m + k]);
     }
-    if (gx != nullptr) grad_x(wj, dv, gx + (j * nb + b) * ax, sh);
-    if (gw != nullptr) grad_w(x + (j * nb + b) * ax, dv, gw + j * wn, sh);
+    vg.pair(j, b, wj, dv);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -402,7 +566,8 @@ void quad_forward(const float* __restrict x, const float* __restrict w,
     }
     for (int64_t k = 0; k < m; ++k) out[(b * m + k) * nj + j] = q[k];
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [](int64_t, int64_t, int64_t, const float*) {};
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -411,11 +576,11 @@ void quad_backward(const float* __restrict x, const float* __restrict w,
                    const float* __restrict gq, float* __restrict gqp, float* __restrict gx,
                    float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
-  const Scratch scratch(BT * dm + dm + m);
-  float* __restrict dv = scratch.data() + BT * dm;  // a pair's votes' gradient
-  float* __restrict g = dv + dm;
+  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, nb, b0);
+  const Scratch scratch(BT * dm + m);
+  float* __restrict g = scratch.data() + BT * dm;
   auto start = [&](int64_t lo, int64_t hi) {
     if (gqp == nullptr) return;
     std::fill(gqp + lo * dm, gqp + hi * dm, 0.f);
@@ -436,7 +601,8 @@ void quad_backward(const float* __restrict x, const float* __restrict w,
         }
       }
     }
-    if (gx == nullptr && gw == nullptr) return;
+    if (!vg.wanted()) return;
+    float* __restrict dv = vg.slot(b);
     const float* __restrict q1 = qp + b * dm;
     const float* __restrict q2 = qp + (nb + b) * dm;
     for (int64_t i = 0; i < d; ++i) {
@@ -444,10 +610,10 @@ void quad_backward(const float* __restrict x, const float* __restrict w,
       for (int64_t k = 0; k < m; ++k)
         dv[i * m + k] = g[k] * (q1[i * m + k] + 2.f * u[i * m + k] * q2[i * m + k]);
     }
-    if (gx != nullptr) grad_x(wj, dv, gx + (j * nb + b) * ax, sh);
-    if (gw != nullptr) grad_w(x + (j * nb + b) * ax, dv, gw + j * wn, sh);
+    vg.pair(j, b, wj, dv);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site);
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 // Runs f<A, X, C, M>() with the sizes fixed at compile time for 4x4 pose matrices, 16-d pose
@@ -505,6 +671,21 @@ void capsctl_weighted_backward(const float* x, const float* w, const float* r, c
                                int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(weighted_backward, x, w, r, gq, gx, gw, gr, dd, b0, b1);
+}
+
+void capsctl_gated_forward(const float* x, const float* w, const float* lg, const float* act,
+                           float* s, float* tot, float* cs, int64_t j, int64_t b, int64_t a,
+                           int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
+  const Dims dd{j, b, a, xd, c, m};
+  CAPSCTL_DISPATCH(gated_forward, x, w, lg, act, s, tot, cs, dd, b0, b1);
+}
+
+void capsctl_gated_backward(const float* x, const float* w, const float* cs, const float* act,
+                            const float* gs, const float* gt, float* glg, float* gact, float* gx,
+                            float* gw, int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
+                            int64_t m, int64_t b0, int64_t b1) {
+  const Dims dd{j, b, a, xd, c, m};
+  CAPSCTL_DISPATCH(gated_backward, x, w, cs, act, gs, gt, glg, gact, gx, gw, dd, b0, b1);
 }
 
 void capsctl_em_moments_forward(const float* x, const float* w, const float* shift,

@@ -35,7 +35,10 @@ import math
 import torch
 from torch import Tensor, nn
 
+from capsctl.layers import native, native_passes
 from capsctl.layers.baseline_capsules import BaselineCapsules
+from capsctl.layers.flops import add_routing_flops
+from capsctl.layers.vote_tiles import _parent_major, _prepare, _site_major
 from capsctl.layers.weighted_pass import weighted_pass
 
 # Added to both denominators, sum_i a_i and sum_i c_ij a_i: a site whose children all have
@@ -58,6 +61,42 @@ def _parent_activations(total: Tensor, act: Tensor) -> Tensor:
     return total / (act.sum(-1, keepdim=True) + SELF_ROUTING_EPS)
 
 
+class GatedPass(torch.autograd.Function):
+    """The compiled loops' self-routing pass (capsctl/layers/native.py): ``(logits[J, B, m],
+    act[B, J], x[J, B, a, x], w[J, x, m, c])`` -> the mass-weighted vote sum ``[B, m, a, c]``,
+    the total mass ``[B, m]`` and the coefficients ``c[J, B, m]`` (not differentiable), the
+    softmax, the mass and the votes formed pair by pair and never stored; keeps ``c``."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, act: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        a, c = x.shape[2], w.shape[3]
+        x, wc = _prepare(x, w)  # [J, B, a, x], [J, x, c*m]
+        act = act.contiguous()  # [B, J]
+        s, total, coef = native_passes.gated_forward(x, wc, logits.contiguous(), act, c)
+        ctx.save_for_backward(x, wc, coef, act)
+        ctx.mark_non_differentiable(coef)
+        return _parent_major(s, a, c), total, coef  # [B, m, a, c], [B, m], [J, B, m]
+
+    @staticmethod
+    def backward(ctx, gs: Tensor, gt: Tensor, _gc: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, wc, coef, act = ctx.saved_tensors
+        j, xd, m = x.shape[0], x.shape[3], coef.shape[2]
+        needs = tuple(ctx.needs_input_grad[:4])
+        glg, gact, gx, gwc = native_passes.gated_backward(
+            x,
+            wc,
+            coef,
+            act,
+            _site_major(gs),
+            gt.contiguous(),
+            needs,  # type: ignore[arg-type]
+        )
+        gw = None
+        if gwc is not None:
+            gw = gwc.view(j, xd, -1, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+        return glg, gact, gx, gw
+
+
 def self_route(
     logits: Tensor, act: Tensor, x: Tensor, w: Tensor, chunk_sites: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,7 +109,14 @@ def self_route(
     :func:`~capsctl.layers.weighted_pass.weighted_pass` of the votes with weights ``c a`` (chunked,
     votes recomputed in the backward pass; dense when tracing or compiling), divided per parent
     afterwards, so no normalized ``[J, B, m]`` weights are built; ``chunk_sites``: sites per
-    chunk (None: by its byte budget)."""
+    chunk (None: by its byte budget). On a CPU with the compiled loops (and no ``chunk_sites``)
+    the coefficients, the mass and the weighted sum are one pass (:class:`GatedPass`)."""
+    if chunk_sites is None and native.usable(logits, act, x, w):
+        j, bsz, a, _ = x.shape
+        add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
+        u, total, c = GatedPass.apply(logits, act, x, w)  # [B, m, a, c], [B, m], [J, B, m]
+        u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
+        return u, _parent_activations(total, act), c
     c, mass = _mass(logits, act)  # [J, B, m] each
     total = mass.sum(0)  # [B, m]: sum_i c_ij a_i
     u = weighted_pass(x, w, mass, chunk_sites)  # [B, m, a, c]
