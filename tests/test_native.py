@@ -234,6 +234,35 @@ def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch
     assert not calls
 
 
+def test_tracing_for_export_never_runs_the_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``dense_routing()`` (ONNX and torch.export) every pass is one torch expression."""
+    _require_native()
+    from capsctl.layers.routing import dense_routing
+    from capsctl.layers.self_routing import self_route
+
+    calls = []
+    for name in ("routed_forward", "weighted_forward", "gated_forward"):
+        real = getattr(native_passes, name)
+
+        def spy(*args, _real=real, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls.append(1)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(native_passes, name, spy)
+    x, w, p = _inputs(SHAPES[1], 15)
+    logits = torch.randn(x.shape[0], x.shape[1], w.shape[2])  # [J, B, m]
+    act = torch.rand(x.shape[1], x.shape[0])  # [B, J]
+    self_route(logits, act, x, w)
+    routed_pass(x, w, p, 0.5)
+    assert len(calls) == 2  # the compiled loops by default
+    calls.clear()
+    with dense_routing():
+        self_route(logits, act, x, w)
+        routed_pass(x, w, p, 0.5)
+        weighted_pass(x, w, logits.softmax(-1))
+    assert not calls
+
+
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 def test_threads_give_the_results_of_one_thread(
     threads: str, monkeypatch: pytest.MonkeyPatch

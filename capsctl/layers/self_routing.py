@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from capsctl.layers import native, native_passes
 from capsctl.layers.baseline_capsules import BaselineCapsules
 from capsctl.layers.flops import add_routing_flops
+from capsctl.layers.routing import _DENSE
 from capsctl.layers.vote_tiles import _parent_major, _prepare, _site_major
 from capsctl.layers.weighted_pass import weighted_pass
 
@@ -111,7 +112,7 @@ def self_route(
     afterwards, so no normalized ``[J, B, m]`` weights are built; ``chunk_sites``: sites per
     chunk (None: by its byte budget). On a CPU with the compiled loops (and no ``chunk_sites``)
     the coefficients, the mass and the weighted sum are one pass (:class:`GatedPass`)."""
-    if chunk_sites is None and native.usable(logits, act, x, w):
+    if chunk_sites is None and not _DENSE["on"] and native.usable(logits, act, x, w):
         j, bsz, a, _ = x.shape
         add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
         u, total, c = GatedPass.apply(logits, act, x, w)  # [B, m, a, c], [B, m], [J, B, m]
