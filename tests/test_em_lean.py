@@ -184,3 +184,18 @@ def test_the_m_step_is_recomputed_not_saved(kind: str) -> None:
     assert counts[0] == 1, counts
     (mu.sum() + a_out.sum()).backward()  # and the recomputation runs
     assert layer.beta_u.grad is not None and layer.beta_a.grad is not None
+
+
+def test_the_assignment_mass_and_its_gradients() -> None:
+    """``mass_j = sum_i R_ij a_i`` (the M-step's denominator), values and gradients checked
+    against finite differences, for a broadcast (expanded) first assignment too."""
+    from capsctl.layers.em_kernels import AssignmentMass
+
+    torch.manual_seed(3)
+    r = torch.rand(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    a = torch.rand(3, 5, dtype=torch.float64, requires_grad=True)
+    want = torch.stack([(r[:, k] * a).sum(-1) for k in range(4)], 1).unsqueeze(-1)
+    assert torch.allclose(AssignmentMass.apply(r, a), want)
+    assert torch.autograd.gradcheck(AssignmentMass.apply, (r, a))
+    first = torch.full((3, 1, 1), 0.25, dtype=torch.float64).expand(3, 4, 5)
+    assert torch.autograd.gradcheck(lambda a: AssignmentMass.apply(first, a), (a,))

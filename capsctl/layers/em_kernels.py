@@ -160,6 +160,29 @@ def _weighted(r: Tensor, a: Tensor, b0: int, b1: int) -> Tensor:
     return (r[b0:b1] * a[b0:b1].unsqueeze(1)).permute(2, 0, 1).contiguous()  # [J, Bc, m]
 
 
+class AssignmentMass(torch.autograd.Function):
+    """``(r[B, m, J], a[B, J])`` -> ``mass[B, m, 1] = sum_J r a``, the M-step's denominator, as
+    a batched matrix-vector product whose backward is one too: autograd's backward of the same
+    product forms ``d r`` as a batched outer product with an inner dimension of 1, which ran
+    about 10x slower on a CPU (190 ms against a few ms for cifar10-em-simple's first conv
+    capsule layer at batch 32). Saves ``r`` and ``a`` (kept by :class:`VoteMoments` anyway)."""
+
+    @staticmethod
+    def forward(ctx, r: Tensor, a: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(r, a)
+        return r @ a.unsqueeze(-1)  # [B, m, J] @ [B, J, 1] -> [B, m, 1]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+        r, a = ctx.saved_tensors
+        gr = g * a.unsqueeze(1) if ctx.needs_input_grad[0] else None  # [B, m, 1] * [B, 1, J]
+        ga = None
+        if ctx.needs_input_grad[1]:
+            ga = (g.transpose(1, 2) @ r).squeeze(1)  # [B, 1, m] @ [B, m, J] -> [B, J]
+        return gr, ga
+
+
 class VoteMoments(torch.autograd.Function):
     """``(r[B, m, J], a[B, J], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
     ``S[2, B, d, m]``: ``sum_J r a (V - s)`` and ``sum_J r a (V - s)^2``, the M-step's moments

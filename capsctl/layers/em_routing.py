@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from capsctl.layers.baseline_capsules import BaselineCapsules
-from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
+from capsctl.layers.em_kernels import AssignmentMass, VoteMoments, VoteQuad, vote_shift
 from capsctl.layers.em_windows import WindowGrid, e_step, softmax_over_parents
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE
@@ -208,7 +208,7 @@ def em_routing_chunked(
     acts: list[Tensor] = []
     for t in range(iterations):
         rs.append(r)
-        mass = r @ a_in.unsqueeze(-1)  # [B, m, J] @ [B, J, 1] -> [B, m, 1]; sum_J R a
+        mass = AssignmentMass.apply(r, a_in)  # [B, m, 1]: sum_J R a
         s = VoteMoments.apply(r, a_in, x, wc, shift)  # [2, B, d, m]; R a formed chunk by chunk
         step = functools.partial(
             _m_step, final_lambda=final_lambda, t=t, standardize=standardize_costs
