@@ -188,12 +188,12 @@ struct VoteGrads {
   float* __restrict gx;
   float* __restrict gw;
   int64_t nb, b0;
-  Scratch buf;  // the block's votes' gradients [BT, dm] (one slot without kBlock), then w^T
+  Scratch buf;  // the block's votes' gradients [BT, dm] (one slot without kBlock), w_j^T [cm, x]
 
   VoteGrads(const Shape<A, X, C, M>& s, const float* x_, float* gx_, float* gw_, int64_t nb_,
             int64_t b0_)
       : sh(s), x(x_), gx(gx_), gw(gw_), nb(nb_), b0(b0_),
-        buf(kBlock ? 2 * BT * s.dm() : s.dm()) {}
+        buf(kBlock ? BT * s.dm() + X * s.cm() : s.dm()) {}
 
   bool wanted() const { return gx != nullptr || gw != nullptr; }
   // where the gradient of pair (j, b) goes
@@ -215,7 +215,7 @@ struct VoteGrads {
       std::fill(g + rows * cm, g + BT * cm, 0.f);
       const float* __restrict xb = x + (j * nb + lo) * X;  // [rows, 16]
       if (gx != nullptr) {
-        float* __restrict wt = buf.data() + BT * cm;  // w_j^T [cm, 16]
+        float* __restrict wt = buf.data() + BT * sh.dm();  // w_j^T [cm, 16]
         for (int64_t k = 0; k < X; ++k)
           for (int64_t t = 0; t < cm; ++t) wt[t * X + k] = wj[k * cm + t];
         float acc[BT][X] = {};
