@@ -63,7 +63,7 @@ FLAGS = (
     "-shared",
     "-fPIC",
 )
-ABI = 1
+ABI = 2
 COMPILE_TIMEOUT_S = 300
 
 _STATE: dict[str, object] = {"off": 0}

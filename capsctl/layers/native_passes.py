@@ -6,6 +6,8 @@ gradients in a fixed order. The callers (routing.py, weighted_pass.py, em_kernel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -37,27 +39,60 @@ def _spans(x: Tensor) -> list[tuple[int, int]]:
     return site_spans(bsz, -(-bsz // workers), workers)
 
 
-def _gw_sum(gws: list[Tensor]) -> Tensor | None:
-    """The threads' weight-gradient accumulators, added in a fixed order."""
+def _run(
+    name: str,
+    x: Tensor,
+    tensors: tuple[Tensor | None, ...],
+    c: int,
+    m: int,
+    per_thread: Sequence[Tensor | None] | None = None,
+) -> None:
+    """``capsctl_<name>(*tensors, [per_thread[i],] J, B, a, x, c, m, b0, b1)`` for the sites
+    ``[b0, b1)`` of each thread ``i``."""
+    fn = getattr(library(), f"capsctl_{name}")
+    j, bsz, a, xd = x.shape
+    ptrs = [_ptr(t) for t in tensors]
+
+    def part(i: int, lo: int, hi: int) -> None:
+        extra = () if per_thread is None else (_ptr(per_thread[i]),)
+        fn(*ptrs, *extra, j, bsz, a, xd, c, m, lo, hi)
+
+    run_spans(part, _spans(x))
+
+
+def _run_backward(
+    name: str,
+    x: Tensor,
+    tensors: tuple[Tensor | None, ...],
+    c: int,
+    m: int,
+    wc: Tensor,
+    need_w: bool,
+) -> Tensor | None:
+    """A backward pass (:func:`_run`) that gets one zeroed weight-gradient accumulator shaped
+    like ``wc`` per thread as its last pointer (None where ``need_w`` is false), added up in a
+    fixed order and returned."""
+    n = len(_spans(x))
+    gws = [torch.zeros_like(wc) for _ in range(n)] if need_w else []  # [J, x, c*m] each
+    _run(name, x, tensors, c, m, gws or [None] * n)
     for extra in gws[1:]:
         gws[0].add_(extra)
     return gws[0] if gws else None
 
 
+def _if(need: bool, t: Tensor) -> Tensor | None:
+    """``torch.empty_like(t)`` where a gradient is needed, else None."""
+    return torch.empty_like(t) if need else None
+
+
 def routed_forward(x: Tensor, wc: Tensor, pq: Tensor, c: int) -> tuple[Tensor, Tensor]:
     """``S[B, d, m]`` and ``R[J, B, m]`` of child poses ``x[J, B, a, x]``, weights
     ``wc[J, x, c*m]`` and ``pq[B, d, m]`` (``scale * P``, site-major), all contiguous."""
-    lib = library()
-    j, bsz, a, xd = x.shape
+    j, bsz, a, _ = x.shape
     m = pq.shape[2]
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
-    args = (_ptr(x), _ptr(wc), _ptr(pq), _ptr(s), _ptr(r), j, bsz, a, xd, c, m)
-
-    def part(_: int, lo: int, hi: int) -> None:
-        lib.capsctl_routed_forward(*args, lo, hi)
-
-    run_spans(part, _spans(x))
+    _run("routed_forward", x, (x, wc, pq, s, r), c, m)
     return s, r
 
 
@@ -72,39 +107,20 @@ def routed_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``gx[J, B, a, x]``, ``gw[J, x, c*m]`` and ``gp[B, d, m]`` (without the
     agreement's scale) of the routed pass, from ``gq[B, d, m] = d loss / d S`` and the
-    forward's ``R[J, B, m]``; each only when ``needs`` says so. One ``gw`` accumulator per
-    thread, added in a fixed order."""
-    lib = library()
-    j, bsz, a, xd = x.shape
+    forward's ``R[J, B, m]``; each only when ``needs`` says so."""
     m = pq.shape[2]
-    spans = _spans(x)
-    gx = torch.empty_like(x) if needs[0] else None  # [J, B, a, x]
-    gws = [torch.zeros_like(wc) for _ in spans] if needs[1] else []  # [J, x, c*m] each
-    gp = x.new_empty(bsz, a * c, m) if needs[2] else None  # [B, d, m]
-    dims = (j, bsz, a, xd, c, m)
-
-    def part(i: int, lo: int, hi: int) -> None:
-        gw = gws[i] if gws else None
-        ptrs = (x, wc, pq, r, gq, gx, gw, gp)
-        lib.capsctl_routed_backward(*(_ptr(t) for t in ptrs), *dims, lo, hi)
-
-    run_spans(part, spans)
-    return gx, _gw_sum(gws), gp
+    gx, gp = _if(needs[0], x), _if(needs[2], gq)  # [J, B, a, x], [B, d, m]
+    gw = _run_backward("routed_backward", x, (x, wc, pq, r, gq, gx, gp), c, m, wc, needs[1])
+    return gx, gw, gp
 
 
 def weighted_forward(x: Tensor, wc: Tensor, r: Tensor, c: int) -> Tensor:
     """``S[B, d, m] = sum_J R V`` of child poses ``x[J, B, a, x]``, weights ``wc[J, x, c*m]``
     and given coefficients ``r[J, B, m]``, all contiguous (capsctl/layers/weighted_pass.py)."""
-    lib = library()
-    j, bsz, a, xd = x.shape
+    _, bsz, a, _ = x.shape
     m = r.shape[2]
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
-    args = (_ptr(x), _ptr(wc), _ptr(r), _ptr(s), j, bsz, a, xd, c, m)
-
-    def part(_: int, lo: int, hi: int) -> None:
-        lib.capsctl_weighted_forward(*args, lo, hi)
-
-    run_spans(part, _spans(x))
+    _run("weighted_forward", x, (x, wc, r, s), c, m)
     return s
 
 
@@ -113,34 +129,9 @@ def weighted_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``gx[J, B, a, x]``, ``gw[J, x, c*m]`` and ``gr[J, B, m]`` of the weighted
     pass from ``gq[B, d, m] = d loss / d S``; each only when ``needs`` says so."""
-    lib = library()
-    j, bsz, a, xd = x.shape
-    m = r.shape[2]
-    spans = _spans(x)
-    gx = torch.empty_like(x) if needs[0] else None  # [J, B, a, x]
-    gws = [torch.zeros_like(wc) for _ in spans] if needs[1] else []  # [J, x, c*m] each
-    gr = torch.empty_like(r) if needs[2] else None  # [J, B, m]
-    dims = (j, bsz, a, xd, c, m)
-
-    def part(i: int, lo: int, hi: int) -> None:
-        gw = gws[i] if gws else None
-        ptrs = (x, wc, r, gq, gx, gw, gr)
-        lib.capsctl_weighted_backward(*(_ptr(t) for t in ptrs), *dims, lo, hi)
-
-    run_spans(part, spans)
-    return gx, _gw_sum(gws), gr
-
-
-def _run(name: str, x: Tensor, tensors: tuple[Tensor | None, ...], c: int, m: int) -> None:
-    """``capsctl_<name>(*tensors, J, B, a, x, c, m, b0, b1)`` over the threads' sites."""
-    fn = getattr(library(), f"capsctl_{name}")
-    j, bsz, a, xd = x.shape
-    ptrs = [_ptr(t) for t in tensors]
-
-    def part(_: int, lo: int, hi: int) -> None:
-        fn(*ptrs, j, bsz, a, xd, c, m, lo, hi)
-
-    run_spans(part, _spans(x))
+    gx, gr = _if(needs[0], x), _if(needs[2], r)  # [J, B, a, x], [J, B, m]
+    gw = _run_backward("weighted_backward", x, (x, wc, r, gq, gx, gr), c, r.shape[2], wc, needs[1])
+    return gx, gw, gr
 
 
 def em_moments_forward(x: Tensor, wc: Tensor, shift: Tensor, r: Tensor, act: Tensor) -> Tensor:
@@ -149,9 +140,8 @@ def em_moments_forward(x: Tensor, wc: Tensor, shift: Tensor, r: Tensor, act: Ten
     ``r[B, m, J]`` and activations ``act[B, J]``, all contiguous
     (:class:`capsctl.layers.em_kernels.VoteMoments`)."""
     m = r.shape[1]
-    c = wc.shape[2] // m
     out = x.new_empty(2, x.shape[1], shift.shape[1], m)  # [2, B, d, m]
-    _run("em_moments_forward", x, (x, wc, shift, r, act, out), c, m)
+    _run("em_moments_forward", x, (x, wc, shift, r, act, out), wc.shape[2] // m, m)
     return out
 
 
@@ -167,30 +157,18 @@ def em_moments_backward(
     """Gradients of ``r[B, m, J]``, ``act[B, J]``, ``x`` and ``wc`` from ``gs[2, B, d, m]``;
     each only when ``needs`` says so."""
     m = r.shape[1]
-    c = wc.shape[2] // m
-    spans = _spans(x)
-    gr = torch.empty_like(r) if needs[0] else None  # [B, m, J]
-    ga = torch.empty_like(act) if needs[1] else None  # [B, J]
-    gx = torch.empty_like(x) if needs[2] else None  # [J, B, a, x]
-    gws = [torch.zeros_like(wc) for _ in spans] if needs[3] else []  # [J, x, c*m] each
-    fn = library().capsctl_em_moments_backward
-    j, bsz, a, xd = x.shape
-
-    def part(i: int, lo: int, hi: int) -> None:
-        ts = (x, wc, shift, r, act, gs, gr, ga, gx, gws[i] if gws else None)
-        fn(*(_ptr(t) for t in ts), j, bsz, a, xd, c, m, lo, hi)
-
-    run_spans(part, spans)
-    return gr, ga, gx, _gw_sum(gws)
+    gr, ga, gx = _if(needs[0], r), _if(needs[1], act), _if(needs[2], x)
+    ts = (x, wc, shift, r, act, gs, gr, ga, gx)
+    gw = _run_backward("em_moments_backward", x, ts, wc.shape[2] // m, m, wc, needs[3])
+    return gr, ga, gx, gw
 
 
 def em_quad_forward(x: Tensor, wc: Tensor, shift: Tensor, qp: Tensor) -> Tensor:
     """EM's E-step quadratic form ``Q[B, m, J] = sum_d (q u + p u^2)`` with
     ``qp[2, B, d, m]`` (:class:`capsctl.layers.em_kernels.VoteQuad`), all contiguous."""
     m = qp.shape[3]
-    c = wc.shape[2] // m
     out = x.new_empty(x.shape[1], m, x.shape[0])  # [B, m, J]
-    _run("em_quad_forward", x, (x, wc, shift, qp, out), c, m)
+    _run("em_quad_forward", x, (x, wc, shift, qp, out), wc.shape[2] // m, m)
     return out
 
 
@@ -205,20 +183,10 @@ def em_quad_backward(
     """Gradients of ``qp``, ``x`` and ``wc`` from ``gq[B, m, J]``; each only when ``needs``
     says so."""
     m = qp.shape[3]
-    c = wc.shape[2] // m
-    spans = _spans(x)
-    gqp = torch.empty_like(qp) if needs[0] else None  # [2, B, d, m]
-    gx = torch.empty_like(x) if needs[1] else None  # [J, B, a, x]
-    gws = [torch.zeros_like(wc) for _ in spans] if needs[2] else []  # [J, x, c*m] each
-    fn = library().capsctl_em_quad_backward
-    j, bsz, a, xd = x.shape
-
-    def part(i: int, lo: int, hi: int) -> None:
-        ts = (x, wc, shift, qp, gq, gqp, gx, gws[i] if gws else None)
-        fn(*(_ptr(t) for t in ts), j, bsz, a, xd, c, m, lo, hi)
-
-    run_spans(part, spans)
-    return gqp, gx, _gw_sum(gws)
+    gqp, gx = _if(needs[0], qp), _if(needs[1], x)  # [2, B, d, m], [J, B, a, x]
+    ts = (x, wc, shift, qp, gq, gqp, gx)
+    gw = _run_backward("em_quad_backward", x, ts, wc.shape[2] // m, m, wc, needs[2])
+    return gqp, gx, gw
 
 
 def gated_forward(
@@ -228,7 +196,7 @@ def gated_forward(
     and the coefficients ``c[J, B, m] = softmax_m(lg)`` of child poses ``x[J, B, a, x]``,
     weights ``wc[J, x, c*m]``, routing logits ``lg[J, B, m]`` and activations ``act[B, J]``,
     all contiguous."""
-    j, bsz, a, _ = x.shape
+    _, bsz, a, _ = x.shape
     m = lg.shape[2]
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
     tot = x.new_empty(bsz, m)  # [B, m]
@@ -249,19 +217,8 @@ def gated_backward(
     """Gradients of the logits ``[J, B, m]``, ``act[B, J]``, ``x`` and ``wc`` from
     ``gs[B, d, m]`` (of ``S``) and ``gt[B, m]`` (of the total mass); each only when ``needs``
     says so."""
-    j, bsz, a, xd = x.shape
     m = cs.shape[2]
-    c = wc.shape[2] // m
-    spans = _spans(x)
-    glg = torch.empty_like(cs) if needs[0] else None  # [J, B, m]
-    gact = torch.empty_like(act) if needs[1] else None  # [B, J]
-    gx = torch.empty_like(x) if needs[2] else None  # [J, B, a, x]
-    gws = [torch.zeros_like(wc) for _ in spans] if needs[3] else []  # [J, x, c*m] each
-    fn = library().capsctl_gated_backward
-
-    def part(i: int, lo: int, hi: int) -> None:
-        ts = (x, wc, cs, act, gs, gt, glg, gact, gx, gws[i] if gws else None)
-        fn(*(_ptr(t) for t in ts), j, bsz, a, xd, c, m, lo, hi)
-
-    run_spans(part, spans)
-    return glg, gact, gx, _gw_sum(gws)
+    glg, gact, gx = _if(needs[0], cs), _if(needs[1], act), _if(needs[2], x)
+    ts = (x, wc, cs, act, gs, gt, glg, gact, gx)
+    gw = _run_backward("gated_backward", x, ts, wc.shape[2] // m, m, wc, needs[3])
+    return glg, gact, gx, gw

@@ -255,6 +255,9 @@ struct VoteGrads {
 // child j, the votes of the block's sites (into vb), site(j, b, wj, v) for each site b with its
 // votes v[a, c, m], then done(j, lo, hi, wj). want_votes == false skips the votes' product (a
 // pass that needs none).
+// The done() of a pass with nothing to finish per child and block.
+constexpr auto no_done = [](int64_t, int64_t, int64_t, const float*) {};
+
 template <class S, class Start, class Site, class Done>
 inline void for_pairs(const float* __restrict x, const float* __restrict w, const Dims& dd,
                       const S& sh, float* __restrict vb, bool want_votes, int64_t b0, int64_t b1,
@@ -287,8 +290,7 @@ void forward(const float* __restrict x, const float* __restrict w, const float* 
     for (int64_t k = 0; k < m; ++k) rj[k] = lg[k];
     add_weighted(s + b * dm, lg, v, d, m);
   };
-  auto done = [](int64_t, int64_t, int64_t, const float*) {};
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -340,8 +342,7 @@ void weighted_forward(const float* __restrict x, const float* __restrict w,
   auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
     add_weighted(s + b * dm, r + (j * dd.b + b) * m, v, d, m);
   };
-  auto done = [](int64_t, int64_t, int64_t, const float*) {};
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -401,8 +402,7 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
     }
     add_weighted(s + b * dm, mass, v, d, m);
   };
-  auto done = [](int64_t, int64_t, int64_t, const float*) {};
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -490,8 +490,7 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
       }
     }
   };
-  auto done = [](int64_t, int64_t, int64_t, const float*) {};
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -566,8 +565,7 @@ void quad_forward(const float* __restrict x, const float* __restrict w,
     }
     for (int64_t k = 0; k < m; ++k) out[(b * m + k) * nj + j] = q[k];
   };
-  auto done = [](int64_t, int64_t, int64_t, const float*) {};
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -641,8 +639,10 @@ void quad_backward(const float* __restrict x, const float* __restrict w,
 
 extern "C" {
 
+// Every function takes its pointers, then the sizes J, B, a, x, c, m and the sites [b0, b1); a
+// backward pass takes the calling thread's weight-gradient accumulator as its last pointer.
 // Version of the functions' signatures; native.py refuses a library that reports another.
-int capsctl_kernels_abi() { return 1; }
+int capsctl_kernels_abi() { return 2; }
 
 void capsctl_routed_forward(const float* x, const float* w, const float* pq, float* s, float* r,
                             int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
@@ -652,7 +652,7 @@ void capsctl_routed_forward(const float* x, const float* w, const float* pq, flo
 }
 
 void capsctl_routed_backward(const float* x, const float* w, const float* pq, const float* r,
-                             const float* gq, float* gx, float* gw, float* gp, int64_t j,
+                             const float* gq, float* gx, float* gp, float* gw, int64_t j,
                              int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m, int64_t b0,
                              int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
@@ -667,7 +667,7 @@ void capsctl_weighted_forward(const float* x, const float* w, const float* r, fl
 }
 
 void capsctl_weighted_backward(const float* x, const float* w, const float* r, const float* gq,
-                               float* gx, float* gw, float* gr, int64_t j, int64_t b, int64_t a,
+                               float* gx, float* gr, float* gw, int64_t j, int64_t b, int64_t a,
                                int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(weighted_backward, x, w, r, gq, gx, gw, gr, dd, b0, b1);
