@@ -64,6 +64,12 @@ def _chunk_sites(bsz: int, per_site: int, budget: int, workers: int = 1) -> int:
     return -(-bsz // -(-bsz // bc))
 
 
+def _compiled(*tensors: Tensor) -> bool:
+    """Whether a pass runs as the compiled loops (capsctl/layers/native.py): where they can,
+    unless a test fixed the sites per chunk of the torch code (:func:`em_chunk_sites`)."""
+    return not _CHUNK["sites"] and native.usable(*tensors)
+
+
 def vote_shift(xs: Tensor, wc: Tensor, a_in: Tensor, m: int) -> Tensor:
     """The activation-weighted mean vote ``s[B, d, m] = sum_J a V / (sum_J a + 1e-12)``, one
     matrix product over all children at once; no gradient (a constant for the moments).
@@ -192,7 +198,7 @@ class VoteMoments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, r: Tensor, a: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
-        if native.usable(r, a, x, wc, shift) and not _CHUNK["sites"]:
+        if _compiled(r, a, x, wc, shift):
             r, a = r.contiguous(), a.contiguous()  # [B, m, J], [B, J]
             ctx.save_for_backward(r, a, x, wc, shift)
             return native_passes.em_moments_forward(x, wc, shift, r, a)  # [2, B, d, m]
@@ -211,7 +217,7 @@ class VoteMoments(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         r, a, x, wc, shift = ctx.saved_tensors
-        if native.usable(r, a, x, wc, shift, gs) and not _CHUNK["sites"]:
+        if _compiled(r, a, x, wc, shift, gs):
             r, a, gs = r.contiguous(), a.contiguous(), gs.contiguous()
             needs = tuple(ctx.needs_input_grad[:4])
             gr, ga, gx, gw = native_passes.em_moments_backward(x, wc, shift, r, a, gs, needs)  # type: ignore[arg-type]
@@ -249,7 +255,7 @@ class VoteQuad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
         qp = qp.contiguous()  # [2, B, d, m]
-        if native.usable(qp, x, wc, shift) and not _CHUNK["sites"]:
+        if _compiled(qp, x, wc, shift):
             ctx.save_for_backward(qp, x, wc, shift)
             return native_passes.em_quad_forward(x, wc, shift, qp)  # [B, m, J]
         votes = _Votes(x, wc, shift)
@@ -267,7 +273,7 @@ class VoteQuad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gq: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qp, x, wc, shift = ctx.saved_tensors
-        if native.usable(qp, x, wc, shift, gq) and not _CHUNK["sites"]:
+        if _compiled(qp, x, wc, shift, gq):
             needs = tuple(ctx.needs_input_grad[:3])
             gqp, gx, gw = native_passes.em_quad_backward(x, wc, shift, qp, gq.contiguous(), needs)  # type: ignore[arg-type]
             return gqp, gx, gw, None

@@ -64,6 +64,7 @@ from capsctl.layers.vote_tiles import (
     _parent_major,
     _prepare,
     _site_major,
+    _unprepare_weights,
     _vote_backward,
 )
 
@@ -228,13 +229,8 @@ def _native_grads(
 ) -> tuple[Tensor | None, ...]:
     """The compiled backward's ``gx[J, B, a, x]``, ``gw[J, x, c*m]`` and ``gp[B, d, m]``
     (before the scale) as the gradients of ``X``, ``W[J, x, m, c]`` and ``P[B, m, a, c]``."""
-    gw = gp = None
-    if gwc is not None:
-        j, xd, cm = gwc.shape
-        gw = gwc.view(j, xd, c, cm // c).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
-    if gpq is not None:
-        gp = _parent_major(gpq.mul_(scale), a, c)  # [B, m, a, c]
-    return gx, gw, gp
+    gp = None if gpq is None else _parent_major(gpq.mul_(scale), a, c)  # [B, m, a, c]
+    return gx, _unprepare_weights(gwc, c), gp
 
 
 class ChunkedRoutedPass(torch.autograd.Function):

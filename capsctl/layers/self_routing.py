@@ -39,7 +39,7 @@ from capsctl.layers import native, native_passes
 from capsctl.layers.baseline_capsules import BaselineCapsules
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE
-from capsctl.layers.vote_tiles import _parent_major, _prepare, _site_major
+from capsctl.layers.vote_tiles import _parent_major, _prepare, _site_major, _unprepare_weights
 from capsctl.layers.weighted_pass import weighted_pass
 
 # Added to both denominators, sum_i a_i and sum_i c_ij a_i: a site whose children all have
@@ -81,21 +81,10 @@ class GatedPass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gs: Tensor, gt: Tensor, _gc: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, wc, coef, act = ctx.saved_tensors
-        j, xd, m = x.shape[0], x.shape[3], coef.shape[2]
         needs = tuple(ctx.needs_input_grad[:4])
-        glg, gact, gx, gwc = native_passes.gated_backward(
-            x,
-            wc,
-            coef,
-            act,
-            _site_major(gs),
-            gt.contiguous(),
-            needs,  # type: ignore[arg-type]
-        )
-        gw = None
-        if gwc is not None:
-            gw = gwc.view(j, xd, -1, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
-        return glg, gact, gx, gw
+        gs_q, gt = _site_major(gs), gt.contiguous()  # [B, d, m], [B, m]
+        glg, gact, gx, gwc = native_passes.gated_backward(x, wc, coef, act, gs_q, gt, needs)  # type: ignore[arg-type]
+        return glg, gact, gx, _unprepare_weights(gwc, gs.shape[3])  # gw: [J, x, m, c]
 
 
 def self_route(

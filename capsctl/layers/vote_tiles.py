@@ -103,6 +103,15 @@ def _prepare(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     return x.contiguous(), wc
 
 
+def _unprepare_weights(gwc: Tensor | None, c: int) -> Tensor | None:
+    """A weight-shaped tensor from :func:`_prepare`'s layout back to the weights':
+    ``[J, x, c*m]`` -> contiguous ``[J, x, m, c]`` (None stays None)."""
+    if gwc is None:
+        return None
+    j, xd, cm = gwc.shape
+    return gwc.view(j, xd, c, cm // c).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+
+
 class _Gradients:
     """Gradient accumulators of the chunked backward pass, in the layouts its products write.
 
@@ -149,8 +158,7 @@ class _Gradients:
         if self.gw is not None:
             for extra in self.gws[1:]:
                 self.gw.add_(extra)
-            j, xd, cm = self.gw.shape
-            gw = self.gw.view(j, xd, c, cm // c).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
+            gw = _unprepare_weights(self.gw, c)  # [J, x, m, c]
         if self.gp is not None:
             gp = _parent_major(self.gp.mul_(scale), a, c)  # [B, m, a, c]
         return gx, gw, gp

@@ -23,6 +23,7 @@ from capsctl.layers.vote_tiles import (
     _parent_major,
     _prepare,
     _site_major,
+    _unprepare_weights,
     _vote_backward,
 )
 
@@ -63,10 +64,7 @@ def _weighted_backward(
     gq = _site_major(gs)  # [B, d, m]
     if sites is None and native.usable(x, wc, r, gq):
         gx, gwc, gr = native_passes.weighted_backward(x, wc, r.contiguous(), gq, c, needs[:3])
-        gw = None
-        if gwc is not None:
-            gw = gwc.view(j, -1, c, m).permute(0, 1, 3, 2).contiguous()  # [J, x, m, c]
-        return gx, gw, gr
+        return gx, _unprepare_weights(gwc, c), gr  # gw: [J, x, m, c]
     jc, bc, spans = _plan(x, m, d, sites)
     acc = _Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]
