@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -332,6 +333,23 @@ def test_the_library_is_built_once_into_the_cache(
     native._load.cache_clear()
     assert native.native_status() == f"on ({built[0]})"
     assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker / "cache"))  # cannot be created
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    status = native.native_status()
+    assert status.startswith(f"on ({temp / 'capsctl-kernels'}"), status
+    _same_as_torch()
 
 
 def _same_as_torch() -> None:
