@@ -66,7 +66,7 @@ FLAGS = (
 ABI = 2
 COMPILE_TIMEOUT_S = 300
 
-_STATE: dict[str, object] = {"off": 0}
+_STATE = {"off": 0}  # open native_disabled() blocks
 _LOCK = threading.Lock()
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -76,12 +76,12 @@ _PTR = ctypes.c_void_p
 def native_disabled() -> Iterator[None]:
     """Run the torch code instead of the compiled loops inside the block (tests, comparisons)."""
     with _LOCK:
-        _STATE["off"] = int(_STATE["off"]) + 1  # type: ignore[call-overload]
+        _STATE["off"] += 1
     try:
         yield
     finally:
         with _LOCK:
-            _STATE["off"] = int(_STATE["off"]) - 1  # type: ignore[call-overload]
+            _STATE["off"] -= 1
 
 
 def _cache_dir() -> Path:
@@ -216,7 +216,7 @@ def native_summary() -> str:
 def usable(*tensors: Tensor) -> bool:
     """Whether the compiled loops can run a pass over these tensors: all float32 on a CPU,
     not inside tracing or ``torch.compile``, not disabled, and the library built."""
-    if int(_STATE["off"]) or torch.compiler.is_compiling() or torch.jit.is_tracing():  # type: ignore[call-overload]
+    if _STATE["off"] or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         return False
