@@ -136,7 +136,9 @@ def test_gradients_equal_those_of_the_torch_code(shape: tuple[int, ...]) -> None
         with native.native_disabled():
             slow = _grads(fn, inputs, 5)
         for got, want in zip(fast, slow, strict=True):
-            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (fn, shape)
+            # float32 rounding grows with a gradient's scale (w's sums over sites reach 20)
+            tol = 1e-5 * max(1.0, want.abs().max().item())
+            assert torch.allclose(got, want, rtol=1e-5, atol=tol), (fn, shape)
 
 
 def _loop_em(x, wc, shift, r, act, qp):  # noqa: ANN001, ANN202
