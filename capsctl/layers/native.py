@@ -65,8 +65,9 @@ FLAGS = (
     "-fPIC",
 )
 # x86-64 only: let the compiler use 512-bit vectors where the CPU has them. GCC 12 and
-# clang default to 256-bit ones on AVX-512 CPUs, which took the routed pass of 16-d pose
-# vectors from 26 to 45 ms (forward) and 85 to 156 ms (backward) on a 2-core Xeon.
+# clang default to 256-bit ones on AVX-512 CPUs: on a 2-core Xeon, one thread, the routed
+# pass of 16-d pose vectors took 47-53 ms (forward) and 226-231 ms (backward) that way,
+# 40 and 128-134 ms with 512-bit vectors.
 X86_FLAGS = ("-mprefer-vector-width=512",)
 ABI = 2
 COMPILE_TIMEOUT_S = 300
