@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from capsctl.bench.memory import RssSampler, release_memory
 from capsctl.bench.results import BenchRow, add_ratios
 from capsctl.config import build_model, resolve_config
-from capsctl.devices import autocast, resolve_device
+from capsctl.devices import autocast, flush_denormals, resolve_device
 from capsctl.errors import UsageError
 from capsctl.events import EventFn, emit
 from capsctl.models import parameter_counts
@@ -100,9 +100,10 @@ def run_bench(
         torch.set_num_threads(threads)
 
     rows: list[BenchRow] = []
-    for index, (label, cfg) in enumerate(specs):
-        emit(on_event, "bench_model", name=label, step=index + 1, steps=len(specs))
-        rows.append(_measure_with_memory(label, cfg, dev, settings, on_event))
+    with flush_denormals(dev):  # as training does
+        for index, (label, cfg) in enumerate(specs):
+            emit(on_event, "bench_model", name=label, step=index + 1, steps=len(specs))
+            rows.append(_measure_with_memory(label, cfg, dev, settings, on_event))
     release_memory()
     add_ratios(rows)
     return rows

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from capsctl.devices import denormals_flushed
 from capsctl.errors import UsageError
 
 __all__ = [
@@ -165,6 +166,7 @@ def _single_threaded(ready: threading.Barrier) -> None:
     torch.get_num_threads()
     torch.set_num_threads(1)  # this thread's kernels only (OpenMP and MKL counts are per thread)
     _WORKER.active = True
+    _WORKER.flush = denormals_flushed()
     ready.wait()
 
 
@@ -195,13 +197,19 @@ def run_spans(part: Callable[[int, int, int], None], spans: list[tuple[int, int]
     """``part(i, start, stop)`` for each span ``i``: in the calling thread when there is one,
     else one span per worker thread (without autograd, in inference mode when the caller is),
     returning when all are done. ``part`` must write only to its own sites' slices and its
-    own scratch buffers."""
+    own scratch buffers. Workers take the caller's flush-subnormals mode
+    (:func:`capsctl.devices.flush_denormals`): it is per thread, and theirs outlive the caller's
+    scopes."""
     if len(spans) == 1:
         part(0, *spans[0])
         return
     inference = torch.is_inference_mode_enabled()
+    flush = denormals_flushed()
 
     def call(i: int, start: int, stop: int) -> None:
+        if _WORKER.flush != flush:
+            torch.set_flush_denormal(flush)
+            _WORKER.flush = flush
         with torch.inference_mode() if inference else torch.no_grad():
             part(i, start, stop)
 

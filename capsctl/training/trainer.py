@@ -35,7 +35,7 @@ from capsctl.checkpoint import (
     save_checkpoint,
 )
 from capsctl.config import Preset
-from capsctl.devices import autocast, resolve_device
+from capsctl.devices import autocast, flush_denormals, resolve_device
 from capsctl.errors import CapsctlError
 from capsctl.evaluation import EvalResult, evaluate
 from capsctl.events import EventFn, emit
@@ -90,7 +90,7 @@ def fit(
     dist = Distributed.from_env(resolve_device(preset.train.device))
     try:
         trainer = Trainer(preset, Path(out_dir), dist, on_event if dist.is_main else None, t_start)
-        with sigint_as_flag(handle_sigint) as flag:
+        with sigint_as_flag(handle_sigint) as flag, flush_denormals(dist.device):
             trainer.set_up(resume, overwrite, flag)
             return trainer.run(flag)
     finally:
