@@ -180,6 +180,26 @@ def test_conv_layer_matches_naive(
     assert torch.allclose(coeff.sum(-1), torch.ones_like(coeff.sum(-1)), atol=1e-12)
 
 
+def test_the_uniform_pass_convolves_with_a_dense_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight in no dense layout is copied by the convolution itself, element by element,
+    in the forward and again in the backward pass; the layer hands it over transposed once."""
+    import torch.nn.functional as F
+
+    seen: list[torch.Tensor] = []
+    conv2d = F.conv2d
+
+    def spy(inp, weight, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(weight)
+        return conv2d(inp, weight, *args, **kwargs)
+
+    monkeypatch.setattr(F, "conv2d", spy)
+    layer = ConvCapsules(3, 16, 4, 16, kernel=3, stride=2, pose="matrix")
+    layer.uniform(torch.randn(2, 7, 7, 3, 16)).sum().backward()
+    assert len(seen) == 1
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+    assert layer.weight.grad is not None
+
+
 def test_chunked_pass_equals_unchunked(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(2)
     x = torch.randn(7, 11, 2, 2, dtype=torch.float64)
