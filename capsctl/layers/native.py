@@ -69,7 +69,7 @@ FLAGS = (
 # pass of 16-d pose vectors took 47-53 ms (forward) and 226-231 ms (backward) that way,
 # 40 and 128-134 ms with 512-bit vectors.
 X86_FLAGS = ("-mprefer-vector-width=512",)
-ABI = 2
+ABI = 3
 COMPILE_TIMEOUT_S = 300
 
 _STATE = {"off": 0}  # open native_disabled() blocks
@@ -189,7 +189,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("em_moments_backward", 10),
         ("em_quad_forward", 5),
         ("em_quad_backward", 8),
-        ("gated_forward", 7),
+        ("gated_forward", 8),
         ("gated_backward", 10),
     ):
         fn = getattr(lib, f"capsctl_{name}")

@@ -23,6 +23,7 @@ __all__ = [
     "gated_forward",
     "routed_backward",
     "routed_forward",
+    "split_gated_weights",
     "weighted_backward",
     "weighted_forward",
 ]
@@ -66,14 +67,14 @@ def _run_backward(
     tensors: tuple[Tensor | None, ...],
     c: int,
     m: int,
-    wc: Tensor,
+    shape: Sequence[int],
     need_w: bool,
 ) -> Tensor | None:
-    """A backward pass (:func:`_run`) that gets one zeroed weight-gradient accumulator shaped
-    like ``wc`` per thread as its last pointer (None where ``need_w`` is false), added up in a
+    """A backward pass (:func:`_run`) that gets one zeroed weight-gradient accumulator of
+    ``shape`` per thread as its last pointer (None where ``need_w`` is false), added up in a
     fixed order and returned."""
     n = len(_spans(x))
-    gws = [torch.zeros_like(wc) for _ in range(n)] if need_w else []  # [J, x, c*m] each
+    gws = [x.new_zeros(shape) for _ in range(n)] if need_w else []  # e.g. [J, x, c*m] each
     _run(name, x, tensors, c, m, gws or [None] * n)
     for extra in gws[1:]:
         gws[0].add_(extra)
@@ -110,7 +111,7 @@ def routed_backward(
     forward's ``R[J, B, m]``; each only when ``needs`` says so."""
     m = pq.shape[2]
     gx, gp = _if(needs[0], x), _if(needs[2], gq)  # [J, B, a, x], [B, d, m]
-    gw = _run_backward("routed_backward", x, (x, wc, pq, r, gq, gx, gp), c, m, wc, needs[1])
+    gw = _run_backward("routed_backward", x, (x, wc, pq, r, gq, gx, gp), c, m, wc.shape, needs[1])
     return gx, gw, gp
 
 
@@ -130,7 +131,8 @@ def weighted_backward(
     """Gradients ``gx[J, B, a, x]``, ``gw[J, x, c*m]`` and ``gr[J, B, m]`` of the weighted
     pass from ``gq[B, d, m] = d loss / d S``; each only when ``needs`` says so."""
     gx, gr = _if(needs[0], x), _if(needs[2], r)  # [J, B, a, x], [J, B, m]
-    gw = _run_backward("weighted_backward", x, (x, wc, r, gq, gx, gr), c, r.shape[2], wc, needs[1])
+    ts = (x, wc, r, gq, gx, gr)
+    gw = _run_backward("weighted_backward", x, ts, c, r.shape[2], wc.shape, needs[1])
     return gx, gw, gr
 
 
@@ -159,7 +161,7 @@ def em_moments_backward(
     m = r.shape[1]
     gr, ga, gx = _if(needs[0], r), _if(needs[1], act), _if(needs[2], x)
     ts = (x, wc, shift, r, act, gs, gr, ga, gx)
-    gw = _run_backward("em_moments_backward", x, ts, wc.shape[2] // m, m, wc, needs[3])
+    gw = _run_backward("em_moments_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[3])
     return gr, ga, gx, gw
 
 
@@ -185,40 +187,49 @@ def em_quad_backward(
     m = qp.shape[3]
     gqp, gx = _if(needs[0], qp), _if(needs[1], x)  # [2, B, d, m], [J, B, a, x]
     ts = (x, wc, shift, qp, gq, gqp, gx)
-    gw = _run_backward("em_quad_backward", x, ts, wc.shape[2] // m, m, wc, needs[2])
+    gw = _run_backward("em_quad_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[2])
     return gqp, gx, gw
 
 
 def gated_forward(
-    x: Tensor, wc: Tensor, lg: Tensor, act: Tensor, c: int
+    x: Tensor, wc: Tensor, wr: Tensor, br: Tensor, act: Tensor, c: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Self-routing's pass: ``S[B, d, m] = sum_J c a V``, the total mass ``[B, m] = sum_J c a``
-    and the coefficients ``c[J, B, m] = softmax_m(lg)`` of child poses ``x[J, B, a, x]``,
-    weights ``wc[J, x, c*m]``, routing logits ``lg[J, B, m]`` and activations ``act[B, J]``,
-    all contiguous."""
-    _, bsz, a, _ = x.shape
-    m = lg.shape[2]
+    and the coefficients ``c[J, B, m] = softmax_m(X wr + br)`` of child poses ``x[J, B, a, x]``,
+    weights ``wc[J, x, c*m]``, routing weights ``wr[J, a*x, m]`` and biases ``br[J, m]`` and
+    activations ``act[B, J]``, all contiguous."""
+    j, bsz, a, _ = x.shape
+    m = wr.shape[2]
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
     tot = x.new_empty(bsz, m)  # [B, m]
-    cs = torch.empty_like(lg)  # [J, B, m]
-    _run("gated_forward", x, (x, wc, lg, act, s, tot, cs), c, m)
+    cs = x.new_empty(j, bsz, m)  # [J, B, m]
+    _run("gated_forward", x, (x, wc, wr, br, act, s, tot, cs), c, m)
     return s, tot, cs
 
 
 def gated_backward(
     x: Tensor,
     wc: Tensor,
+    wr: Tensor,
     cs: Tensor,
     act: Tensor,
     gs: Tensor,
     gt: Tensor,
-    needs: tuple[bool, bool, bool, bool],
+    needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, ...]:
-    """Gradients of the logits ``[J, B, m]``, ``act[B, J]``, ``x`` and ``wc`` from
-    ``gs[B, d, m]`` (of ``S``) and ``gt[B, m]`` (of the total mass); each only when ``needs``
-    says so."""
-    m = cs.shape[2]
-    glg, gact, gx = _if(needs[0], cs), _if(needs[1], act), _if(needs[2], x)
-    ts = (x, wc, cs, act, gs, gt, glg, gact, gx)
-    gw = _run_backward("gated_backward", x, ts, wc.shape[2] // m, m, wc, needs[3])
-    return glg, gact, gx, gw
+    """Gradients of ``act[B, J]``, ``x`` and the weights (one flat tensor: ``wc``'s, ``wr``'s,
+    then ``br[J, m]``'s, split by :func:`split_gated_weights`) from ``gs[B, d, m]`` (of ``S``)
+    and ``gt[B, m]`` (of the total mass); each only when ``needs`` says so."""
+    j, m = x.shape[0], cs.shape[2]
+    gact, gx = _if(needs[0], act), _if(needs[1], x)
+    ts = (x, wc, wr, cs, act, gs, gt, gact, gx)
+    size = wc.numel() + wr.numel() + j * m
+    gacc = _run_backward("gated_backward", x, ts, wc.shape[2] // m, m, (size,), needs[2])
+    return gact, gx, gacc
+
+
+def split_gated_weights(gacc: Tensor, wc: Tensor, wr: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`gated_backward`'s flat weight gradients -> ``gwc`` (like ``wc``), ``gwr`` (like
+    ``wr``) and ``gbr[J, m]``."""
+    gwc, gwr, gbr = gacc.split([wc.numel(), wr.numel(), wr.shape[0] * wr.shape[2]])
+    return gwc.view(wc.shape), gwr.view(wr.shape), gbr.view(wr.shape[0], wr.shape[2])

@@ -371,19 +371,20 @@ void weighted_backward(const float* __restrict x, const float* __restrict w,
   for_pairs(x, w, dd, sh, scratch.data(), gr != nullptr, b0, b1, start, site, done);
 }
 
-// Self-routing's whole pass (capsctl/layers/self_routing.py): the coefficients from the child's
-// own routing logits, c = softmax_m(lg[J, B, m]), the mass c a with the child activations
-// act[B, J], the mass-weighted sum s[B, a, c, m] = sum_J c a V and the total mass
-// tot[B, m] = sum_J c a; c is written out (cs[J, B, m]). Backward, from gs = d loss / d s and
-// gt = d loss / d tot: dmass = sum_d V gs + gt; dact = sum_m dmass c;
-// dlg = c (dmass a - sum_m c dmass a); dV = c a gs.
+// Self-routing's whole pass (capsctl/layers/self_routing.py): the routing logits from the
+// child's own pose, lg = X wr_j + br_j (wr[J, a*x, m], br[J, m]), the coefficients
+// c = softmax_m(lg), the mass c a with the child activations act[B, J], the mass-weighted sum
+// s[B, a, c, m] = sum_J c a V and the total mass tot[B, m] = sum_J c a; c is written out
+// (cs[J, B, m]). Backward, from gs = d loss / d s and gt = d loss / d tot:
+// dmass = sum_d V gs + gt; dact = sum_m dmass c; dlg = c (dmass a - sum_m c dmass a);
+// dV = c a gs; and through the logits gx += wr_j dlg, gwr_j += X^T dlg, gbr_j += dlg.
 template <int A, int X, int C, int M>
 void gated_forward(const float* __restrict x, const float* __restrict w,
-                   const float* __restrict lg, const float* __restrict act,
-                   float* __restrict s, float* __restrict tot, float* __restrict cs,
-                   const Dims& dd, int64_t b0, int64_t b1) {
+                   const float* __restrict wr, const float* __restrict br,
+                   const float* __restrict act, float* __restrict s, float* __restrict tot,
+                   float* __restrict cs, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), nb = dd.b, nj = dd.j;
   const Scratch scratch(BT * dm + m);
   float* __restrict mass = scratch.data() + BT * dm;
   auto start = [&](int64_t lo, int64_t hi) {
@@ -391,8 +392,15 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
     std::fill(tot + lo * m, tot + hi * m, 0.f);
   };
   auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
+    const float* __restrict xa = x + (j * nb + b) * ax;
+    const float* __restrict wrj = wr + j * ax * m;
     float* __restrict cj = cs + (j * nb + b) * m;
-    for (int64_t k = 0; k < m; ++k) cj[k] = lg[(j * nb + b) * m + k];
+    for (int64_t k = 0; k < m; ++k) cj[k] = br[j * m + k];
+    for (int64_t i = 0; i < ax; ++i) {
+      const float xv = xa[i];
+#pragma omp simd
+      for (int64_t k = 0; k < m; ++k) cj[k] += xv * wrj[i * m + k];
+    }
     softmax(cj, m);
     const float ab = act[b * nj + j];
     float* __restrict tb = tot + b * m;
@@ -405,19 +413,25 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
   for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
+// gacc: the calling thread's accumulator of the weights' gradients, gw [J, x, c*m], then
+// gwr [J, a*x, m], then gbr [J, m] (nullptr: none wanted).
 template <int A, int X, int C, int M>
 void gated_backward(const float* __restrict x, const float* __restrict w,
-                    const float* __restrict cs, const float* __restrict act,
-                    const float* __restrict gs, const float* __restrict gt,
-                    float* __restrict glg, float* __restrict gact, float* __restrict gx,
-                    float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
+                    const float* __restrict wr, const float* __restrict cs,
+                    const float* __restrict act, const float* __restrict gs,
+                    const float* __restrict gt, float* __restrict gact, float* __restrict gx,
+                    float* __restrict gacc, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
-  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, nb, b0);
-  const Scratch scratch(BT * dm + 2 * m);
-  float* __restrict dmass = scratch.data() + BT * dm;
+  const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), nb = dd.b, nj = dd.j;
+  float* __restrict gwr = gacc == nullptr ? nullptr : gacc + nj * sh.x() * sh.cm();
+  float* __restrict gbr = gwr == nullptr ? nullptr : gwr + nj * ax * m;
+  const VoteGrads<A, X, C, M> vg(sh, x, gx, gacc, nb, b0);
+  const Scratch scratch(BT * dm + BT * m + 2 * m);
+  float* __restrict glb = scratch.data() + BT * dm;  // the block's logits' gradients [BT, m]
+  float* __restrict dmass = glb + BT * m;
   float* __restrict mass = dmass + m;
-  const bool coef = glg != nullptr || gact != nullptr;
+  const bool lgrad = gx != nullptr || gacc != nullptr;  // through the logits
+  const bool coef = lgrad || gact != nullptr;
   auto start = [](int64_t, int64_t) {};
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
     const float* __restrict cj = cs + (j * nb + b) * m;
@@ -432,10 +446,8 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
         dot += cj[k] * dmass[k] * ab;
       }
       if (gact != nullptr) gact[b * nj + j] = ga;
-      if (glg != nullptr) {
-        float* __restrict gl = glg + (j * nb + b) * m;
-        for (int64_t k = 0; k < m; ++k) gl[k] = cj[k] * (dmass[k] * ab - dot);
-      }
+      float* __restrict gl = glb + (b - b0) % BT * m;
+      for (int64_t k = 0; k < m; ++k) gl[k] = cj[k] * (dmass[k] * ab - dot);
     }
     if (!vg.wanted()) return;
     for (int64_t k = 0; k < m; ++k) mass[k] = cj[k] * ab;
@@ -446,7 +458,34 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
     }
     vg.pair(j, b, wj, gv);
   };
-  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
+  // after the votes' share of gx is written (per pair, or per block in vg.block)
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) {
+    vg.block(j, lo, hi, wj);
+    if (!lgrad) return;
+    const float* __restrict wrj = wr + j * ax * m;
+    for (int64_t b = lo; b < hi; ++b) {
+      const float* __restrict gl = glb + (b - b0) % BT * m;
+      const float* __restrict xa = x + (j * nb + b) * ax;
+      if (gx != nullptr) {
+        float* __restrict gxa = gx + (j * nb + b) * ax;
+        for (int64_t i = 0; i < ax; ++i) {
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < m; ++k) acc += gl[k] * wrj[i * m + k];
+          gxa[i] += acc;
+        }
+      }
+      if (gwr != nullptr) {
+        float* __restrict gwrj = gwr + j * ax * m;
+        for (int64_t i = 0; i < ax; ++i) {
+          const float xv = xa[i];
+#pragma omp simd
+          for (int64_t k = 0; k < m; ++k) gwrj[i * m + k] += xv * gl[k];
+        }
+        for (int64_t k = 0; k < m; ++k) gbr[j * m + k] += gl[k];
+      }
+    }
+  };
   for_pairs(x, w, dd, sh, scratch.data(), coef, b0, b1, start, site, done);
 }
 
@@ -642,7 +681,7 @@ extern "C" {
 // Every function takes its pointers, then the sizes J, B, a, x, c, m and the sites [b0, b1); a
 // backward pass takes the calling thread's weight-gradient accumulator as its last pointer.
 // Version of the functions' signatures; native.py refuses a library that reports another.
-int capsctl_kernels_abi() { return 2; }
+int capsctl_kernels_abi() { return 3; }
 
 void capsctl_routed_forward(const float* x, const float* w, const float* pq, float* s, float* r,
                             int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
@@ -673,19 +712,20 @@ void capsctl_weighted_backward(const float* x, const float* w, const float* r, c
   CAPSCTL_DISPATCH(weighted_backward, x, w, r, gq, gx, gw, gr, dd, b0, b1);
 }
 
-void capsctl_gated_forward(const float* x, const float* w, const float* lg, const float* act,
-                           float* s, float* tot, float* cs, int64_t j, int64_t b, int64_t a,
-                           int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
+void capsctl_gated_forward(const float* x, const float* w, const float* wr, const float* br,
+                           const float* act, float* s, float* tot, float* cs, int64_t j,
+                           int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m, int64_t b0,
+                           int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(gated_forward, x, w, lg, act, s, tot, cs, dd, b0, b1);
+  CAPSCTL_DISPATCH(gated_forward, x, w, wr, br, act, s, tot, cs, dd, b0, b1);
 }
 
-void capsctl_gated_backward(const float* x, const float* w, const float* cs, const float* act,
-                            const float* gs, const float* gt, float* glg, float* gact, float* gx,
-                            float* gw, int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
-                            int64_t m, int64_t b0, int64_t b1) {
+void capsctl_gated_backward(const float* x, const float* w, const float* wr, const float* cs,
+                            const float* act, const float* gs, const float* gt, float* gact,
+                            float* gx, float* gacc, int64_t j, int64_t b, int64_t a, int64_t xd,
+                            int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(gated_backward, x, w, cs, act, gs, gt, glg, gact, gx, gw, dd, b0, b1);
+  CAPSCTL_DISPATCH(gated_backward, x, w, wr, cs, act, gs, gt, gact, gx, gacc, dd, b0, b1);
 }
 
 void capsctl_em_moments_forward(const float* x, const float* w, const float* shift,

@@ -62,56 +62,79 @@ def _parent_activations(total: Tensor, act: Tensor) -> Tensor:
     return total / (act.sum(-1, keepdim=True) + SELF_ROUTING_EPS)
 
 
+def routing_logits(xj: Tensor, wr: Tensor, br: Tensor) -> Tensor:
+    """``W^route_i u_i + b^route_i`` of child poses ``xj[J, B, d_in]``, routing weights
+    ``wr[J, d_in, m]`` and biases ``br[J, m]`` -> ``[J, B, m]``."""
+    return torch.baddbmm(br.unsqueeze(1), xj, wr)  # [J, 1, m] + [J, B, d_in] @ [J, d_in, m]
+
+
 class GatedPass(torch.autograd.Function):
-    """The compiled loops' self-routing pass (capsctl/layers/native.py): ``(logits[J, B, m],
-    act[B, J], x[J, B, a, x], w[J, x, m, c])`` -> the mass-weighted vote sum ``[B, m, a, c]``,
-    the total mass ``[B, m]`` and the coefficients ``c[J, B, m]`` (not differentiable), the
-    softmax, the mass and the votes formed pair by pair and never stored; keeps ``c``."""
+    """The compiled loops' self-routing pass (capsctl/layers/native.py): ``(act[B, J],
+    x[J, B, a, x], w[J, x, m, c], wr[J, a*x, m], br[J, m])`` -> the mass-weighted vote sum
+    ``[B, m, a, c]``, the total mass ``[B, m]`` and the coefficients ``c[J, B, m]`` (not
+    differentiable); the logits, the softmax, the mass and the votes formed pair by pair and
+    never stored; keeps ``c``."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, act: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx, act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor) -> tuple:  # type: ignore[override]
         a, c = x.shape[2], w.shape[3]
         x, wc = _prepare(x, w)  # [J, B, a, x], [J, x, c*m]
-        act = act.contiguous()  # [B, J]
-        s, total, coef = native_passes.gated_forward(x, wc, logits.contiguous(), act, c)
-        ctx.save_for_backward(x, wc, coef, act)
+        # [B, J], [J, a*x, m], [J, m]
+        act, wr, br = act.contiguous(), wr.contiguous(), br.contiguous()
+        s, total, coef = native_passes.gated_forward(x, wc, wr, br, act, c)
+        ctx.save_for_backward(x, wc, wr, coef, act)
         ctx.mark_non_differentiable(coef)
+        ctx.set_materialize_grads(False)  # no zero gradient of c (as large as c) is built
         return _parent_major(s, a, c), total, coef  # [B, m, a, c], [B, m], [J, B, m]
 
     @staticmethod
-    def backward(ctx, gs: Tensor, gt: Tensor, _gc: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, wc, coef, act = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:4])
+    def backward(ctx, gs: Tensor | None, gt: Tensor | None, _gc: None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, wc, wr, coef, act = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        _, bsz, a, _ = x.shape
+        m = coef.shape[2]
+        c = wc.shape[2] // m
+        if gs is None:  # the poses unused
+            gs = x.new_zeros(bsz, m, a, c)
+        gt = x.new_zeros(bsz, m) if gt is None else gt  # the mass unused
         gs_q, gt = _site_major(gs), gt.contiguous()  # [B, d, m], [B, m]
-        glg, gact, gx, gwc = native_passes.gated_backward(x, wc, coef, act, gs_q, gt, needs)  # type: ignore[arg-type]
-        return glg, gact, gx, _unprepare_weights(gwc, gs.shape[3])  # gw: [J, x, m, c]
+        needs = (n[0], n[1], n[2] or n[3] or n[4])
+        gact, gx, gacc = native_passes.gated_backward(x, wc, wr, coef, act, gs_q, gt, needs)
+        if gacc is None:
+            return gact, gx, None, None, None
+        gwc, gwr, gbr = native_passes.split_gated_weights(gacc, wc, wr)
+        return gact, gx, _unprepare_weights(gwc, c), gwr, gbr  # gw: [J, x, m, c]
 
 
 def self_route(
-    logits: Tensor, act: Tensor, x: Tensor, w: Tensor, chunk_sites: int | None = None
+    act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor, chunk_sites: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Self-routing of ``logits[J, B, m]`` (``W^route u_i + b^route``), child activations
-    ``act[B, J]``, child poses ``x[J, B, a, x]`` and pose weights ``w[J, x, m, c]`` -> parent
-    poses ``u[B, m, a, c]``, parent activations ``[B, m]`` and the coefficients ``c[J, B, m]``
-    (detached).
+    """Self-routing of child activations ``act[B, J]`` and poses ``x[J, B, a, x]`` with pose
+    weights ``w[J, x, m, c]``, routing weights ``wr[J, a*x, m]`` and biases ``br[J, m]`` ->
+    parent poses ``u[B, m, a, c]``, parent activations ``[B, m]`` and the coefficients
+    ``c[J, B, m]`` (detached).
 
-    The pose is ``sum_i c a u_hat / sum_i c a``: the numerator is
-    :func:`~capsctl.layers.weighted_pass.weighted_pass` of the votes with weights ``c a`` (chunked,
-    votes recomputed in the backward pass; dense when tracing or compiling), divided per parent
-    afterwards, so no normalized ``[J, B, m]`` weights are built; ``chunk_sites``: sites per
-    chunk (None: by its byte budget). On a CPU with the compiled loops (and no ``chunk_sites``)
-    the coefficients, the mass and the weighted sum are one pass (:class:`GatedPass`)."""
-    if chunk_sites is None and not _DENSE["on"] and native.usable(logits, act, x, w):
-        j, bsz, a, _ = x.shape
-        add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
-        u, total, c = GatedPass.apply(logits, act, x, w)  # [B, m, a, c], [B, m], [J, B, m]
+    The logits are :func:`routing_logits`; the pose is ``sum_i c a u_hat / sum_i c a``: the
+    numerator is :func:`~capsctl.layers.weighted_pass.weighted_pass` of the votes with weights
+    ``c a`` (chunked, votes recomputed in the backward pass; dense when tracing or compiling),
+    divided per parent afterwards, so no normalized ``[J, B, m]`` weights are built;
+    ``chunk_sites``: sites per chunk (None: by its byte budget). On a CPU with the compiled loops
+    (and no ``chunk_sites``) the logits, the coefficients, the mass and the weighted sum are one
+    pass (:class:`GatedPass`), which keeps neither the logits nor the mass."""
+    j, bsz, a, xd = x.shape
+    if chunk_sites is None and not _DENSE["on"] and native.usable(act, x, w, wr, br):
+        m, c = w.shape[2], w.shape[3]
+        add_routing_flops(2 * j * bsz * a * xd * m)  # the logits (a matrix product in the pass)
+        add_routing_flops(2 * j * bsz * m * a * c)  # the weighted sum
+        u, total, coef = GatedPass.apply(act, x, w, wr, br)  # [B, m, a, c], [B, m], [J, B, m]
         u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
-        return u, _parent_activations(total, act), c
-    c, mass = _mass(logits, act)  # [J, B, m] each
+        return u, _parent_activations(total, act), coef
+    logits = routing_logits(x.reshape(j, bsz, a * xd), wr, br)  # [J, B, m]
+    coef, mass = _mass(logits, act)  # [J, B, m] each
     total = mass.sum(0)  # [B, m]: sum_i c_ij a_i
     u = weighted_pass(x, w, mass, chunk_sites)  # [B, m, a, c]
     u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
-    return u, _parent_activations(total, act), c.detach()
+    return u, _parent_activations(total, act), coef.detach()
 
 
 class SelfRoutingCapsules(BaselineCapsules):
@@ -161,12 +184,10 @@ class SelfRoutingCapsules(BaselineCapsules):
             self.route_weight.zero_()
             self.route_bias.zero_()
 
-    def logits(self, xj: Tensor) -> Tensor:
-        """``W^route X + b^route`` for child poses ``xj[J, B, d_in]`` -> ``[J, B, m]``."""
+    def routing_weights(self) -> tuple[Tensor, Tensor]:
+        """``W^route`` as ``[J, d_in, m]`` and ``b^route`` as ``[J, m]``."""
         j, m = self.fan, self.out_types
-        wr = self.route_weight.reshape(j, self.in_dim, m)  # [J, d_in, m]
-        br = self.route_bias.reshape(j, 1, m)  # [J, 1, m]
-        return torch.baddbmm(br, xj, wr)  # [J, B, d_in] @ [J, d_in, m]
+        return self.route_weight.reshape(j, self.in_dim, m), self.route_bias.reshape(j, m)
 
     def route(self, child: Tensor, act: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
         """Child poses ``[b, H, W, n, d_in]`` / ``[b, ..., d_in]`` and activations
@@ -186,8 +207,9 @@ class SelfRoutingCapsules(BaselineCapsules):
     def _route(self, child: Tensor, act: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
         xj, site = self.child_sites(child)  # [J, B, d_in]
         acts = self.child_activations(act)  # [B, J]
+        wr, br = self.routing_weights()  # [J, d_in, m], [J, m]
         if self.weight is None:
-            c, mass = _mass(self.logits(xj), acts)  # [J, B, m] each
+            c, mass = _mass(routing_logits(xj, wr, br), acts)  # [J, B, m] each
             parent = _parent_activations(mass.sum(0), acts)  # [B, m]
             coeffs = self.unsite_coefficients(c.detach().permute(1, 2, 0), site)  # from [B, m, J]
             return None, self.unsite(parent, site), coeffs
@@ -195,7 +217,7 @@ class SelfRoutingCapsules(BaselineCapsules):
         a, xd, m, c = self.rows, self.cols_in, self.out_types, self.cols_out
         wj = self.weight.reshape(j, xd, m, c)  # [J, x, m, c]
         xp = xj.view(j, bsz, a, xd)  # [J, B, a, x]
-        u, parent, coef = self_route(self.logits(xj), acts, xp, wj, self.chunk_sites)
+        u, parent, coef = self_route(acts, xp, wj, wr, br, self.chunk_sites)
         poses = self.unsite(u.reshape(bsz, m, a * c), site)  # [b, h, w, m, d] / [b, m, d]
         coeffs = self.unsite_coefficients(coef.permute(1, 2, 0), site)  # from [B, m, J]
         return poses, self.unsite(parent, site), coeffs
