@@ -187,15 +187,24 @@ def test_the_m_step_is_recomputed_not_saved(kind: str) -> None:
 
 
 def test_the_assignment_mass_and_its_gradients() -> None:
-    """``mass_j = sum_i R_ij a_i`` (the M-step's denominator), values and gradients checked
-    against finite differences, for a broadcast (expanded) first assignment too."""
-    from capsctl.layers.em_kernels import AssignmentMass
+    """``mass_j = sum_i R_ij a_i`` (the M-step's denominator, an output of the moments' pass),
+    values and gradients checked against finite differences, for a broadcast (expanded) first
+    assignment too."""
+    from capsctl.layers.em_kernels import VoteMoments
 
     torch.manual_seed(3)
-    r = torch.rand(3, 4, 5, dtype=torch.float64, requires_grad=True)
-    a = torch.rand(3, 5, dtype=torch.float64, requires_grad=True)
-    want = torch.stack([(r[:, k] * a).sum(-1) for k in range(4)], 1).unsqueeze(-1)
-    assert torch.allclose(AssignmentMass.apply(r, a), want)
-    assert torch.autograd.gradcheck(AssignmentMass.apply, (r, a))
-    first = torch.full((3, 1, 1), 0.25, dtype=torch.float64).expand(3, 4, 5)
-    assert torch.autograd.gradcheck(lambda a: AssignmentMass.apply(first, a), (a,))
+    r = torch.rand(3, 5, 4, dtype=torch.float64, requires_grad=True)  # [B, J, m]
+    a = torch.rand(3, 5, dtype=torch.float64, requires_grad=True)  # [B, J]
+    x = torch.randn(5, 3, 2, 2, dtype=torch.float64)  # [J, B, a, x]
+    wc = torch.randn(5, 2, 2 * 4, dtype=torch.float64)  # [J, x, c*m]
+    shift = torch.randn(3, 4, 4, dtype=torch.float64)  # [B, d, m]
+
+    def mass(r: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return VoteMoments.apply(r, a, x, wc, shift)[1]  # [B, m, 1]
+
+    want = torch.stack([(r[:, :, k] * a).sum(-1) for k in range(4)], 1).unsqueeze(-1)
+    assert torch.allclose(mass(r, a), want)
+    assert torch.autograd.gradcheck(mass, (r, a))
+    assert torch.autograd.gradcheck(lambda r, a: VoteMoments.apply(r, a, x, wc, shift), (r, a))
+    first = torch.full((3, 1, 1), 0.25, dtype=torch.float64).expand(3, 5, 4)
+    assert torch.autograd.gradcheck(lambda a: mass(first, a), (a,))

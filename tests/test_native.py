@@ -143,22 +143,24 @@ def test_gradients_equal_those_of_the_torch_code(shape: tuple[int, ...]) -> None
 
 def _loop_em(x, wc, shift, r, act, qp):  # noqa: ANN001, ANN202
     """EM's vote-sized sums by loops over u = X_i W_ij - shift_j (votes about a shift):
-    S1_j = sum_i r_ij a_i u_ij, S2_j = sum_i r_ij a_i u_ij^2 and
-    Q_ij = sum_h (q_j u_ij + p_j u_ij^2)."""
+    S1_j = sum_i r_ij a_i u_ij, S2_j = sum_i r_ij a_i u_ij^2, the mass M_j = sum_i r_ij a_i
+    and Q_ij = sum_h (q_j u_ij + p_j u_ij^2)."""
     j_n, b_n, a, xd = x.shape
-    m = r.shape[1]
+    m = r.shape[2]  # r[B, J, m]
     c = wc.shape[2] // m
     w = wc.double().view(j_n, xd, c, m)
     s = torch.zeros(2, b_n, a * c, m, dtype=torch.float64)
-    q = torch.zeros(b_n, m, j_n, dtype=torch.float64)
+    q = torch.zeros(b_n, j_n, m, dtype=torch.float64)
+    mass = torch.zeros(b_n, m, 1, dtype=torch.float64)
     for b in range(b_n):
         for i in range(j_n):
             for k in range(m):
+                mass[b, k, 0] += r[b, i, k] * act[b, i]
                 u = (x[i, b].double() @ w[i, :, :, k]).flatten() - shift[b, :, k].double()
-                s[0, b, :, k] += r[b, k, i] * act[b, i] * u
-                s[1, b, :, k] += r[b, k, i] * act[b, i] * u * u
-                q[b, k, i] = (qp[0, b, :, k] * u + qp[1, b, :, k] * u * u).sum()
-    return s, q
+                s[0, b, :, k] += r[b, i, k] * act[b, i] * u
+                s[1, b, :, k] += r[b, i, k] * act[b, i] * u * u
+                q[b, i, k] = (qp[0, b, :, k] * u + qp[1, b, :, k] * u * u).sum()
+    return s, q, mass
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -169,15 +171,17 @@ def test_em_sums_match_the_equations_and_the_torch_code(shape: tuple[int, ...]) 
     x = torch.randn(j, b, a, xd, generator=g)
     wc = torch.randn(j, xd, c * m, generator=g) * 0.5
     act = torch.rand(b, j, generator=g)
-    r = torch.rand(b, m, j, generator=g)
+    r = torch.rand(b, j, m, generator=g)
     qp = torch.randn(2, b, a * c, m, generator=g)
     shift = vote_shift(x.permute(1, 0, 2, 3).contiguous(), wc, act, m)  # [B, d, m]
-    want_s, want_q = _loop_em(x, wc, shift, r, act, qp)
-    assert torch.allclose(VoteMoments.apply(r, act, x, wc, shift).double(), want_s, atol=1e-4)
+    want_s, want_q, want_mass = _loop_em(x, wc, shift, r, act, qp)
+    got_s, got_mass = VoteMoments.apply(r, act, x, wc, shift)
+    assert torch.allclose(got_s.double(), want_s, atol=1e-4)
+    assert torch.allclose(got_mass.double(), want_mass, atol=1e-5)
     assert torch.allclose(VoteQuad.apply(qp, x, wc, shift).double(), want_q, atol=1e-4)
 
     def moments(r, act, x, wc):  # noqa: ANN001, ANN202
-        return VoteMoments.apply(r, act, x, wc, shift)
+        return torch.cat([t.flatten() for t in VoteMoments.apply(r, act, x, wc, shift)])
 
     def quad(qp, x, wc):  # noqa: ANN001, ANN202
         return VoteQuad.apply(qp, x, wc, shift)

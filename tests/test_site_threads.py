@@ -83,9 +83,9 @@ def _em(xs, w, p, r):  # noqa: ANN001, ANN202
     wc = w.permute(0, 1, 3, 2).reshape(j, x, c * m)  # [J, x, c*m]
     shift = torch.zeros(b, a * c, m)  # [B, d, m]
     act = torch.rand(b, j, generator=torch.Generator().manual_seed(2))  # [B, J]
-    moments = VoteMoments.apply(r.permute(1, 2, 0), act, xs, wc, shift)  # [2, B, d, m]
-    quad = VoteQuad.apply(moments.detach(), xs, wc, shift)  # [J, B, m]
-    return moments.sum() + quad.sum(), (xs, w, r)
+    moments, mass = VoteMoments.apply(r.transpose(0, 1), act, xs, wc, shift)  # [2, B, d, m]
+    quad = VoteQuad.apply(moments.detach(), xs, wc, shift)  # [B, J, m]
+    return moments.sum() + mass.square().sum() + quad.sum(), (xs, w, r)
 
 
 @pytest.mark.parametrize("op", [_routed, _weighted, _em])

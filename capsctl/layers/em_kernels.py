@@ -4,9 +4,9 @@ EM routing (Hinton, Sabour, Frosst, "Matrix capsules with EM routing", ICLR 2018
 votes ``V_ij = X_i W_ij`` in two places only, both linear in a coefficient-sized operand:
 
 - the M-step's moments ``S1[B, m, d] = sum_J r V'`` and ``S2 = sum_J r V'^2``
-  (:class:`VoteMoments`, operand ``r[B, m, J]``, the assignments times the child activations,
+  (:class:`VoteMoments`, operand ``r[B, J, m]``, the assignments times the child activations,
   formed chunk by chunk), and
-- the E-step's quadratic form ``Q[B, m, J] = sum_d (q V' + p V'^2)``
+- the E-step's quadratic form ``Q[B, J, m] = sum_d (q V' + p V'^2)``
   (:class:`VoteQuad`, operands ``q, p[B, m, d]``),
 
 where ``V' = V - s`` are the votes about a fixed shift ``s[B, m, d]`` (:func:`vote_shift`; a
@@ -22,8 +22,9 @@ the child poses) for the backward pass, which builds each chunk's votes again.
 
 Letters as in capsctl/layers/routing.py. Layouts inside: child poses ``x[J, B, a, x]``, weights
 ``wc[J, x, c*m]`` (parent type innermost), shift ``[B, d, m]``, a chunk of votes and squared
-votes ``U[2, J, Bc, d, m]`` (``d = (a, c)``), coefficients ``[J, Bc, m]`` per chunk (``[B, m, J]``
-as inputs and outputs).
+votes ``U[2, J, Bc, d, m]`` (``d = (a, c)``), coefficients ``[J, Bc, m]`` per chunk (``[B, J, m]``
+as inputs and outputs: a pair's ``m`` values side by side, as the compiled loops read and write
+them; ``[B, m, J]`` put them ``J`` floats apart, which cost the loops 10-30% of their time).
 """
 
 from __future__ import annotations
@@ -161,47 +162,29 @@ def _sum_gw(gws: list[Tensor]) -> Tensor | None:
 
 
 def _weighted(r: Tensor, a: Tensor, b0: int, b1: int) -> Tensor:
-    """``r a`` at sites ``b0:b1`` in the chunk layout: ``r[B, m, J]``, ``a[B, J]`` ->
+    """``r a`` at sites ``b0:b1`` in the chunk layout: ``r[B, J, m]``, ``a[B, J]`` ->
     ``[J, Bc, m]`` (1/d of a vote chunk's size)."""
-    return (r[b0:b1] * a[b0:b1].unsqueeze(1)).permute(2, 0, 1).contiguous()  # [J, Bc, m]
-
-
-class AssignmentMass(torch.autograd.Function):
-    """``(r[B, m, J], a[B, J])`` -> ``mass[B, m, 1] = sum_J r a``, the M-step's denominator, as
-    a batched matrix-vector product whose backward is one too: autograd's backward of the same
-    product forms ``d r`` as a batched outer product with an inner dimension of 1, which ran
-    about 10x slower on a CPU (190 ms against a few ms for cifar10-em-simple's first conv
-    capsule layer at batch 32). Saves ``r`` and ``a`` (kept by :class:`VoteMoments` anyway)."""
-
-    @staticmethod
-    def forward(ctx, r: Tensor, a: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(r, a)
-        return r @ a.unsqueeze(-1)  # [B, m, J] @ [B, J, 1] -> [B, m, 1]
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
-        r, a = ctx.saved_tensors
-        gr = g * a.unsqueeze(1) if ctx.needs_input_grad[0] else None  # [B, m, 1] * [B, 1, J]
-        ga = None
-        if ctx.needs_input_grad[1]:
-            ga = (g.transpose(1, 2) @ r).squeeze(1)  # [B, 1, m] @ [B, m, J] -> [B, J]
-        return gr, ga
+    return (r[b0:b1] * a[b0:b1].unsqueeze(-1)).transpose(0, 1).contiguous()  # [J, Bc, m]
 
 
 class VoteMoments(torch.autograd.Function):
-    """``(r[B, m, J], a[B, J], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
+    """``(r[B, J, m], a[B, J], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
     ``S[2, B, d, m]``: ``sum_J r a (V - s)`` and ``sum_J r a (V - s)^2``, the M-step's moments
-    with the assignments ``r`` weighted by the child activations ``a``. Saves no vote-sized
-    tensor, and nothing of ``r``'s size but ``r`` itself: ``r a`` is formed chunk by chunk, in
-    the forward and again in the backward pass."""
+    with the assignments ``r`` weighted by the child activations ``a``, and their denominator,
+    the mass ``[B, m, 1] = sum_J r a``. Saves no vote-sized tensor, and nothing of ``r``'s size
+    but ``r`` itself: ``r a`` is formed chunk by chunk (pair by pair in the compiled loops), in
+    the forward and again in the backward pass. The mass is one more sum of the same products
+    (its gradient, ``a`` for ``r`` and ``sum_m r g`` for ``a``, joins the moments'); as a
+    separate product, an expanded first assignment made the matrix product copy it site by
+    site, and its gradient was another assignment-sized tensor to add."""
 
     @staticmethod
-    def forward(ctx, r: Tensor, a: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, r: Tensor, a: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> tuple:  # type: ignore[override]
         if _compiled(r, a, x, wc, shift):
-            r, a = r.contiguous(), a.contiguous()  # [B, m, J], [B, J]
+            r, a = r.contiguous(), a.contiguous()  # [B, J, m], [B, J]
             ctx.save_for_backward(r, a, x, wc, shift)
-            return native_passes.em_moments_forward(x, wc, shift, r, a)  # [2, B, d, m]
+            out, mass = native_passes.em_moments_forward(x, wc, shift, r, a)  # [2, B, d, m]
+            return out, mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]
         votes = _Votes(x, wc, shift)
         out = x.new_empty(2, x.shape[1], votes.d, votes.m)  # [2, B, d, m]
 
@@ -211,19 +194,21 @@ class VoteMoments(torch.autograd.Function):
 
         votes.run(chunk)
         ctx.save_for_backward(r, a, x, wc, shift)
-        return out
+        mass = (r * a.unsqueeze(-1)).sum(1)  # [B, m]
+        return out, mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, gs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, gs: Tensor, gm: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         r, a, x, wc, shift = ctx.saved_tensors
+        gm = gm.squeeze(-1).contiguous()  # [B, m]
         if _compiled(r, a, x, wc, shift, gs):
             r, a, gs = r.contiguous(), a.contiguous(), gs.contiguous()
             needs = tuple(ctx.needs_input_grad[:4])
-            gr, ga, gx, gw = native_passes.em_moments_backward(x, wc, shift, r, a, gs, needs)  # type: ignore[arg-type]
+            gr, ga, gx, gw = native_passes.em_moments_backward(x, wc, shift, r, a, gs, gm, needs)  # type: ignore[arg-type]
             return gr, ga, gx, gw, None
         votes = _Votes(x, wc, shift)
-        gr = r.new_empty(r.shape) if ctx.needs_input_grad[0] else None  # [B, m, J]
+        gr = r.new_empty(r.shape) if ctx.needs_input_grad[0] else None  # [B, J, m]
         ga = torch.empty_like(a) if ctx.needs_input_grad[1] else None  # [B, J]
         gx, gws = _grad_buffers(votes, ctx.needs_input_grad[2:4])
         gs = gs.contiguous()  # [2, B, d, m]
@@ -232,11 +217,12 @@ class VoteMoments(torch.autograd.Function):
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
             gsc = gs[:, b0:b1]  # [2, Bc, d, m]
             if gr is not None or ga is not None:
-                gra = votes.quad(bufs, u, gsc).permute(1, 2, 0)  # [J, Bc, m] -> [Bc, m, J]
+                gra = votes.quad(bufs, u, gsc).transpose(0, 1)  # [J, Bc, m] -> [Bc, J, m]
+                gra = gra + gm[b0:b1].unsqueeze(1)  # [Bc, J, m]: and the mass's
                 if gr is not None:
-                    torch.mul(gra, a[b0:b1].unsqueeze(1), out=gr[b0:b1])  # [Bc, m, J]
+                    torch.mul(gra, a[b0:b1].unsqueeze(-1), out=gr[b0:b1])  # [Bc, J, m]
                 if ga is not None:
-                    ga[b0:b1] = (gra * r[b0:b1]).sum(1)  # [Bc, J]
+                    ga[b0:b1] = (gra * r[b0:b1]).sum(-1)  # [Bc, J]
             if gx is None and not gws:
                 return
             dv = torch.addcmul(gsc[0], u[0], gsc[1], value=2.0, out=u[1])  # [J, Bc, d, m]
@@ -249,7 +235,7 @@ class VoteMoments(torch.autograd.Function):
 
 class VoteQuad(torch.autograd.Function):
     """``(qp[2, B, d, m], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
-    ``Q[B, m, J] = sum_d (q (V - s) + p (V - s)^2)``, in the assignments' layout (each chunk's
+    ``Q[B, J, m] = sum_d (q (V - s) + p (V - s)^2)``, in the assignments' layout (each chunk's
     ``[J, Bc, m]`` is written transposed). Saves no vote-sized tensor."""
 
     @staticmethod
@@ -257,13 +243,13 @@ class VoteQuad(torch.autograd.Function):
         qp = qp.contiguous()  # [2, B, d, m]
         if _compiled(qp, x, wc, shift):
             ctx.save_for_backward(qp, x, wc, shift)
-            return native_passes.em_quad_forward(x, wc, shift, qp)  # [B, m, J]
+            return native_passes.em_quad_forward(x, wc, shift, qp)  # [B, J, m]
         votes = _Votes(x, wc, shift)
-        out = x.new_empty(x.shape[1], votes.m, x.shape[0])  # [B, m, J]
+        out = x.new_empty(x.shape[1], x.shape[0], votes.m)  # [B, J, m]
 
         def chunk(_: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
-            out[b0:b1] = votes.quad(bufs, u, qp[:, b0:b1]).permute(1, 2, 0)  # [Bc, m, J]
+            out[b0:b1] = votes.quad(bufs, u, qp[:, b0:b1]).transpose(0, 1)  # [Bc, J, m]
 
         votes.run(chunk)
         ctx.save_for_backward(qp, x, wc, shift)
@@ -283,7 +269,7 @@ class VoteQuad(torch.autograd.Function):
 
         def chunk(i: int, bufs: tuple[Tensor, Tensor], b0: int, b1: int) -> None:
             u = votes.build(bufs, b0, b1)  # [2, J, Bc, d, m]
-            gqc = gq[b0:b1].permute(2, 0, 1).contiguous()  # [Bc, m, J] -> [J, Bc, m]
+            gqc = gq[b0:b1].transpose(0, 1).contiguous()  # [Bc, J, m] -> [J, Bc, m]
             qpc = qp[:, b0:b1]  # [2, Bc, d, m]
             if gqp is not None:
                 gqp[:, b0:b1] = votes.moments(bufs, u, gqc)  # [2, Bc, d, m]

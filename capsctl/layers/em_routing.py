@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from capsctl.layers.baseline_capsules import BaselineCapsules
-from capsctl.layers.em_kernels import AssignmentMass, VoteMoments, VoteQuad, vote_shift
+from capsctl.layers.em_kernels import VoteMoments, VoteQuad, vote_shift
 from capsctl.layers.em_windows import WindowGrid, e_step, softmax_over_parents
 from capsctl.layers.flops import add_routing_flops
 from capsctl.layers.routing import _DENSE
@@ -202,14 +202,15 @@ def em_routing_chunked(
     wc = weight.reshape(j, xd, m, c).transpose(2, 3).reshape(j, xd, c * m)  # [J, x, c*m]
     shift = vote_shift(xs.view(bsz, j, rows, xd), wc, a_in, m)  # [B, d, m]
     s_bm = shift.transpose(1, 2)  # [B, m, d]
-    r = _first_assignment(xs, bsz, m, j, grid)  # [B, m, J]
+    # the assignments site-, child-, then parent-major (capsctl/layers/em_kernels.py)
+    r = _first_assignment(xs, bsz, m, j, grid).transpose(1, 2)  # [B, J, m]
     rs: list[Tensor] = []
     mus: list[Tensor] = []
     acts: list[Tensor] = []
     for t in range(iterations):
-        rs.append(r)
-        mass = AssignmentMass.apply(r, a_in)  # [B, m, 1]: sum_J R a
-        s = VoteMoments.apply(r, a_in, x, wc, shift)  # [2, B, d, m]; R a formed chunk by chunk
+        rs.append(r.transpose(1, 2))  # [B, m, J]
+        # [2, B, d, m] and [B, m, 1]: sum_J R a (V', V'^2) and sum_J R a, R a formed chunk by chunk
+        s, mass = VoteMoments.apply(r, a_in, x, wc, shift)
         step = functools.partial(
             _m_step, final_lambda=final_lambda, t=t, standardize=standardize_costs
         )
@@ -222,7 +223,7 @@ def em_routing_chunked(
         mus.append(mu)
         acts.append(act)
         if t + 1 < iterations:
-            r = e_step(VoteQuad.apply(qp, x, wc, shift), c, grid)  # [B, m, J]
+            r = e_step(VoteQuad.apply(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
     return mus[-1], acts[-1], rs, mus, acts
 
 

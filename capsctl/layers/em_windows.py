@@ -105,7 +105,7 @@ def softmax_over_parents(z: Tensor, grid: WindowGrid) -> Tensor:
 
 class EStep(torch.autograd.Function):
     """EM routing's E-step from the quadratic form of the votes, in place:
-    ``quad[B, m, J]``, ``c[B, m, 1]`` -> ``R[B, m, J]`` written over ``quad``, the softmax of
+    ``quad[B, J, m]``, ``c[B, 1, m]`` -> ``R[B, J, m]`` written over ``quad``, the softmax of
     ``z = c - quad / 2`` over every parent each child votes for (``grid``; over the ``m``
     parent types of its site when ``grid`` is None). ``c`` holds the rest of
     ``log a_j + log p_ij`` (``log a_j``, the Gaussian's normalizer and the constant part of the
@@ -114,17 +114,18 @@ class EStep(torch.autograd.Function):
     as building ``z`` and calling :func:`softmax_over_parents` or ``torch.softmax``, without
     their assignment-sized temporaries (about 230 MB each in cifar10-em-simple's first conv
     capsule layer at batch 128). ``quad`` must be a tensor nothing else uses (the output of
-    :class:`~capsctl.layers.em_kernels.VoteQuad`)."""
+    :class:`~capsctl.layers.em_kernels.VoteQuad`). Layout: site, child, parent type (as
+    :mod:`capsctl.layers.em_kernels`)."""
 
     @staticmethod
     def forward(ctx, quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:  # type: ignore[override]
-        r = quad.mul_(-0.5).add_(c)  # [B, m, J]; z
+        r = quad.mul_(-0.5).add_(c)  # [B, J, m]; z
         if grid is None:
-            r.sub_(r.amax(1, keepdim=True)).exp_()  # [B, m, J]
-            r.div_(r.sum(1, keepdim=True))  # [B, m, J]
+            r.sub_(r.amax(-1, keepdim=True)).exp_()  # [B, J, m]
+            r.div_(r.sum(-1, keepdim=True))  # [B, J, m]
         else:
-            r.sub_(grid.max_overwindow_sites(r.amax(1)).unsqueeze(1)).exp_()  # [B, m, J]
-            r.div_(grid.sum_overwindow_sites(r.sum(1)).unsqueeze(1))  # [B, m, J]
+            r.sub_(grid.max_overwindow_sites(r.amax(-1)).unsqueeze(-1)).exp_()  # [B, J, m]
+            r.div_(grid.sum_overwindow_sites(r.sum(-1)).unsqueeze(-1))  # [B, J, m]
         ctx.mark_dirty(quad)
         ctx.save_for_backward(r)
         ctx.grid = grid
@@ -134,16 +135,16 @@ class EStep(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
         (r,) = ctx.saved_tensors
-        dz = r * grad  # [B, m, J]
-        total = dz.sum(1)  # [B, J]
+        dz = r * grad  # [B, J, m]
+        total = dz.sum(-1)  # [B, J]
         if ctx.grid is not None:
             total = ctx.grid.sum_overwindow_sites(total)  # [B, J]
-        dz.addcmul_(r, total.unsqueeze(1), value=-1.0)  # R (g - sum_child R g)
-        dc = dz.sum(-1, keepdim=True)  # [B, m, 1]
-        return dz.mul_(-0.5), dc, None  # [B, m, J], [B, m, 1]
+        dz.addcmul_(r, total.unsqueeze(-1), value=-1.0)  # R (g - sum_child R g)
+        dc = dz.sum(1, keepdim=True)  # [B, 1, m]
+        return dz.mul_(-0.5), dc, None  # [B, J, m], [B, 1, m]
 
 
 def e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
-    """``R[B, m, J]`` over ``quad[B, m, J]`` (consumed) and ``c[B, m, 1]`` (:class:`EStep`)."""
+    """``R[B, J, m]`` over ``quad[B, J, m]`` (consumed) and ``c[B, 1, m]`` (:class:`EStep`)."""
     out: Tensor = EStep.apply(quad, c, grid)
     return out

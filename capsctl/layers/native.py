@@ -185,8 +185,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.capsctl_weighted_backward.argtypes = [_PTR] * 7 + [_I64] * 8
     lib.capsctl_weighted_backward.restype = None
     for name, ptrs in (
-        ("em_moments_forward", 6),
-        ("em_moments_backward", 10),
+        ("em_moments_forward", 7),
+        ("em_moments_backward", 11),
         ("em_quad_forward", 5),
         ("em_quad_backward", 8),
         ("gated_forward", 8),

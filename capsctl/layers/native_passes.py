@@ -136,15 +136,18 @@ def weighted_backward(
     return gx, gw, gr
 
 
-def em_moments_forward(x: Tensor, wc: Tensor, shift: Tensor, r: Tensor, act: Tensor) -> Tensor:
-    """EM's M-step moments ``S[2, B, d, m] = sum_J r a (u, u^2)``, ``u = V - shift``, of child
-    poses ``x[J, B, a, x]``, weights ``wc[J, x, c*m]``, ``shift[B, d, m]``, assignments
-    ``r[B, m, J]`` and activations ``act[B, J]``, all contiguous
-    (:class:`capsctl.layers.em_kernels.VoteMoments`)."""
-    m = r.shape[1]
+def em_moments_forward(
+    x: Tensor, wc: Tensor, shift: Tensor, r: Tensor, act: Tensor
+) -> tuple[Tensor, Tensor]:
+    """EM's M-step moments ``S[2, B, d, m] = sum_J r a (u, u^2)``, ``u = V - shift``, and the
+    mass ``[B, m] = sum_J r a`` of child poses ``x[J, B, a, x]``, weights ``wc[J, x, c*m]``,
+    ``shift[B, d, m]``, assignments ``r[B, J, m]`` and activations ``act[B, J]``, all
+    contiguous (:class:`capsctl.layers.em_kernels.VoteMoments`)."""
+    m = r.shape[2]
     out = x.new_empty(2, x.shape[1], shift.shape[1], m)  # [2, B, d, m]
-    _run("em_moments_forward", x, (x, wc, shift, r, act, out), wc.shape[2] // m, m)
-    return out
+    mass = x.new_empty(x.shape[1], m)  # [B, m]
+    _run("em_moments_forward", x, (x, wc, shift, r, act, out, mass), wc.shape[2] // m, m)
+    return out, mass
 
 
 def em_moments_backward(
@@ -154,22 +157,23 @@ def em_moments_backward(
     r: Tensor,
     act: Tensor,
     gs: Tensor,
+    gm: Tensor,
     needs: tuple[bool, bool, bool, bool],
 ) -> tuple[Tensor | None, ...]:
-    """Gradients of ``r[B, m, J]``, ``act[B, J]``, ``x`` and ``wc`` from ``gs[2, B, d, m]``;
-    each only when ``needs`` says so."""
-    m = r.shape[1]
+    """Gradients of ``r[B, J, m]``, ``act[B, J]``, ``x`` and ``wc`` from ``gs[2, B, d, m]``
+    and ``gm[B, m]`` (of the mass); each only when ``needs`` says so."""
+    m = r.shape[2]
     gr, ga, gx = _if(needs[0], r), _if(needs[1], act), _if(needs[2], x)
-    ts = (x, wc, shift, r, act, gs, gr, ga, gx)
+    ts = (x, wc, shift, r, act, gs, gm, gr, ga, gx)
     gw = _run_backward("em_moments_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[3])
     return gr, ga, gx, gw
 
 
 def em_quad_forward(x: Tensor, wc: Tensor, shift: Tensor, qp: Tensor) -> Tensor:
-    """EM's E-step quadratic form ``Q[B, m, J] = sum_d (q u + p u^2)`` with
+    """EM's E-step quadratic form ``Q[B, J, m] = sum_d (q u + p u^2)`` with
     ``qp[2, B, d, m]`` (:class:`capsctl.layers.em_kernels.VoteQuad`), all contiguous."""
     m = qp.shape[3]
-    out = x.new_empty(x.shape[1], m, x.shape[0])  # [B, m, J]
+    out = x.new_empty(x.shape[1], x.shape[0], m)  # [B, J, m]
     _run("em_quad_forward", x, (x, wc, shift, qp, out), wc.shape[2] // m, m)
     return out
 
@@ -182,7 +186,7 @@ def em_quad_backward(
     gq: Tensor,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor | None, ...]:
-    """Gradients of ``qp``, ``x`` and ``wc`` from ``gq[B, m, J]``; each only when ``needs``
+    """Gradients of ``qp``, ``x`` and ``wc`` from ``gq[B, J, m]``; each only when ``needs``
     says so."""
     m = qp.shape[3]
     gqp, gx = _if(needs[0], qp), _if(needs[1], x)  # [2, B, d, m], [J, B, a, x]

@@ -491,8 +491,10 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
 
 // EM routing's vote-sized work (capsctl/layers/em_kernels.py: VoteMoments, VoteQuad) on the
 // shifted votes u = V - shift[B, a, c, m]: the M-step's moments S[2, B, a, c, m] = sum_J r a (u,
-// u^2) with assignments r[B, m, J] and child activations act[B, J], and the E-step's quadratic
-// form Q[B, m, J] = sum_d (q u + p u^2) with qp[2, B, a, c, m]; each backward is the other.
+// u^2) and the mass M[B, m] = sum_J r a with assignments r[B, J, m] and child activations
+// act[B, J], and the E-step's quadratic
+// form Q[B, J, m] = sum_d (q u + p u^2) with qp[2, B, a, c, m]; each backward is the other.
+// The assignment-sized operands are site-child-major, so a pair's m values are contiguous.
 // The votes of a site are shifted in place (each site's are used once per child).
 inline float* shifted(const float* v, const float* __restrict shift, int64_t dm) {
   float* __restrict u = const_cast<float*>(v);
@@ -504,20 +506,29 @@ inline float* shifted(const float* v, const float* __restrict shift, int64_t dm)
 template <int A, int X, int C, int M>
 void moments_forward(const float* __restrict x, const float* __restrict w,
                      const float* __restrict shift, const float* __restrict r,
-                     const float* __restrict act, float* __restrict out, const Dims& dd,
-                     int64_t b0, int64_t b1) {
+                     const float* __restrict act, float* __restrict out, float* __restrict mass,
+                     const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
   const Scratch scratch(BT * dm + m);
   float* __restrict ra = scratch.data() + BT * dm;
+  // the block's masses, summed in double: EM's variances subtract terms divided by the mass, so
+  // its rounding error grows there (a float sum over 800 children moved the class layer's
+  // weight gradients by 5e-4 of their size)
+  std::unique_ptr<double[]> macc(new double[BT * m]);
   auto start = [&](int64_t lo, int64_t hi) {
     std::fill(out + lo * dm, out + hi * dm, 0.f);
     std::fill(out + (nb + lo) * dm, out + (nb + hi) * dm, 0.f);
+    std::fill(macc.get(), macc.get() + BT * m, 0.0);
   };
   auto site = [&](int64_t j, int64_t b, const float*, const float* v) {
     const float* __restrict u = shifted(v, shift + b * dm, dm);
     const float ab = act[b * nj + j];
-    for (int64_t k = 0; k < m; ++k) ra[k] = r[(b * m + k) * nj + j] * ab;
+    double* __restrict mb = macc.get() + (b - b0) % BT * m;
+    for (int64_t k = 0; k < m; ++k) {
+      ra[k] = r[(b * nj + j) * m + k] * ab;
+      mb[k] += ra[k];
+    }
     float* __restrict s1 = out + b * dm;
     float* __restrict s2 = out + (nb + b) * dm;
     for (int64_t i = 0; i < d; ++i) {
@@ -529,15 +540,20 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
       }
     }
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
+  auto done = [&](int64_t j, int64_t lo, int64_t hi, const float*) {
+    if (j + 1 < nj) return;
+    for (int64_t t = 0; t < (hi - lo) * m; ++t) mass[lo * m + t] = static_cast<float>(macc[t]);
+  };
+  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
 void moments_backward(const float* __restrict x, const float* __restrict w,
                       const float* __restrict shift, const float* __restrict r,
                       const float* __restrict act, const float* __restrict gs,
-                      float* __restrict gr, float* __restrict ga, float* __restrict gx,
-                      float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
+                      const float* __restrict gm, float* __restrict gr, float* __restrict ga,
+                      float* __restrict gx, float* __restrict gw, const Dims& dd, int64_t b0,
+                      int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
@@ -552,7 +568,7 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
     const float* __restrict g2 = gs + (nb + b) * dm;
     const float ab = act[b * nj + j];
     if (gr != nullptr || ga != nullptr) {
-      for (int64_t k = 0; k < m; ++k) g[k] = 0.f;
+      for (int64_t k = 0; k < m; ++k) g[k] = gm[b * m + k];  // d M / d (r a) = 1
       for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
         for (int64_t k = 0; k < m; ++k) {
@@ -562,14 +578,14 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
       }
       float gab = 0.f;
       for (int64_t k = 0; k < m; ++k) {
-        if (gr != nullptr) gr[(b * m + k) * nj + j] = g[k] * ab;
-        gab += g[k] * r[(b * m + k) * nj + j];
+        if (gr != nullptr) gr[(b * nj + j) * m + k] = g[k] * ab;
+        gab += g[k] * r[(b * nj + j) * m + k];
       }
       if (ga != nullptr) ga[b * nj + j] = gab;
     }
     if (!vg.wanted()) return;
     float* __restrict dv = vg.slot(b);
-    for (int64_t k = 0; k < m; ++k) ra[k] = r[(b * m + k) * nj + j] * ab;
+    for (int64_t k = 0; k < m; ++k) ra[k] = r[(b * nj + j) * m + k] * ab;
     for (int64_t i = 0; i < d; ++i) {
 #pragma omp simd
       for (int64_t k = 0; k < m; ++k)
@@ -602,7 +618,7 @@ void quad_forward(const float* __restrict x, const float* __restrict w,
         q[k] += (q1[i * m + k] + q2[i * m + k] * uu) * uu;
       }
     }
-    for (int64_t k = 0; k < m; ++k) out[(b * m + k) * nj + j] = q[k];
+    for (int64_t k = 0; k < m; ++k) out[(b * nj + j) * m + k] = q[k];
   };
   for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
@@ -625,7 +641,7 @@ void quad_backward(const float* __restrict x, const float* __restrict w,
   };
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* v) {
     const float* __restrict u = shifted(v, shift + b * dm, dm);
-    for (int64_t k = 0; k < m; ++k) g[k] = gq[(b * m + k) * nj + j];
+    for (int64_t k = 0; k < m; ++k) g[k] = gq[(b * nj + j) * m + k];
     if (gqp != nullptr) {
       float* __restrict h1 = gqp + b * dm;
       float* __restrict h2 = gqp + (nb + b) * dm;
@@ -729,19 +745,20 @@ void capsctl_gated_backward(const float* x, const float* w, const float* wr, con
 }
 
 void capsctl_em_moments_forward(const float* x, const float* w, const float* shift,
-                                const float* r, const float* act, float* out, int64_t j,
-                                int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
-                                int64_t b0, int64_t b1) {
+                                const float* r, const float* act, float* out, float* mass,
+                                int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
+                                int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(moments_forward, x, w, shift, r, act, out, dd, b0, b1);
+  CAPSCTL_DISPATCH(moments_forward, x, w, shift, r, act, out, mass, dd, b0, b1);
 }
 
 void capsctl_em_moments_backward(const float* x, const float* w, const float* shift,
-                                 const float* r, const float* act, const float* gs, float* gr,
-                                 float* ga, float* gx, float* gw, int64_t j, int64_t b, int64_t a,
-                                 int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
+                                 const float* r, const float* act, const float* gs,
+                                 const float* gm, float* gr, float* ga, float* gx, float* gw,
+                                 int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
+                                 int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(moments_backward, x, w, shift, r, act, gs, gr, ga, gx, gw, dd, b0, b1);
+  CAPSCTL_DISPATCH(moments_backward, x, w, shift, r, act, gs, gm, gr, ga, gx, gw, dd, b0, b1);
 }
 
 void capsctl_em_quad_forward(const float* x, const float* w, const float* shift,
