@@ -228,6 +228,44 @@ def test_self_routing_pass_equals_the_torch_code(shape: tuple[int, ...]) -> None
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * scale), shape
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[7]])
+def test_weight_gradients_start_from_zero_in_uninitialized_accumulators(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loops zero each thread's accumulator where they first touch it; filled with NaN
+    (memory as it may come), the weights' gradients must still be those of the torch code.
+    Per pair (4x4 and odd shapes) and per block (16-d vectors), threads and self-routing too."""
+    _require_native()
+    from capsctl.layers.self_routing import self_route
+
+    monkeypatch.setattr(
+        native_passes, "_accumulator", lambda x, shape: x.new_full(shape, float("nan"))
+    )
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", "2")
+    j, b, a, xd, m, _ = shape
+    x, w, p = _inputs(shape, 31)
+    g = torch.Generator().manual_seed(32)
+    act, wr, br = (
+        torch.rand(b, j, generator=g),
+        torch.randn(j, a * xd, m, generator=g),
+        torch.randn(j, m, generator=g),
+    )
+
+    def grads() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_(True) for t in (w, wr, br)]
+        s, _ = routed_pass(x, leaves[0], p, 0.5)
+        u, parent, _ = self_route(act, x, *leaves)
+        loss = s.square().sum() + u.square().sum() + parent.sum()
+        return list(torch.autograd.grad(loss, leaves))
+
+    fast = grads()
+    with native.native_disabled():
+        slow = grads()
+    for got, want in zip(fast, slow, strict=True):
+        tol = 1e-5 * max(1.0, want.abs().max().item())
+        assert torch.allclose(got, want, rtol=1e-5, atol=tol), shape
+
+
 def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without this the tests above could pass by running the torch code twice."""
     _require_native()

@@ -203,7 +203,11 @@ struct VoteGrads {
     if constexpr (!kBlock) {
       const int64_t ax = sh.ax();
       if (gx != nullptr) grad_x(wj, g, gx + (j * nb + b) * ax, sh);
-      if (gw != nullptr) grad_w(x + (j * nb + b) * ax, g, gw + j * sh.x() * sh.cm(), sh);
+      if (gw != nullptr) {
+        float* __restrict gwj = gw + j * sh.x() * sh.cm();
+        if (b == b0) std::fill(gwj, gwj + sh.x() * sh.cm(), 0.f);  // the thread's first site
+        grad_w(x + (j * nb + b) * ax, g, gwj, sh);
+      }
     }
   }
 
@@ -233,9 +237,9 @@ struct VoteGrads {
       if (gw != nullptr) {
         float* __restrict gwj = gw + j * X * cm;
         for (int64_t t0 = 0; t0 < cm; t0 += TC) {  // cm = 16 * m: whole strips
-          float acc[X][TC];
+          float acc[X][TC];  // from 0 at the thread's first block
           for (int64_t k = 0; k < X; ++k)
-            for (int64_t t = 0; t < TC; ++t) acc[k][t] = gwj[k * cm + t0 + t];
+            for (int64_t t = 0; t < TC; ++t) acc[k][t] = lo == b0 ? 0.f : gwj[k * cm + t0 + t];
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t k = 0; k < X; ++k) {
               const float xv = xb[r * X + k];
@@ -477,6 +481,10 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
       }
       if (gwr != nullptr) {
         float* __restrict gwrj = gwr + j * ax * m;
+        if (b == b0) {  // the thread's first site
+          std::fill(gwrj, gwrj + ax * m, 0.f);
+          std::fill(gbr + j * m, gbr + (j + 1) * m, 0.f);
+        }
         for (int64_t i = 0; i < ax; ++i) {
           const float xv = xa[i];
 #pragma omp simd
