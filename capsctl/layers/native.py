@@ -69,7 +69,7 @@ FLAGS = (
 # pass of 16-d pose vectors took 47-53 ms (forward) and 226-231 ms (backward) that way,
 # 40 and 128-134 ms with 512-bit vectors.
 X86_FLAGS = ("-mprefer-vector-width=512",)
-ABI = 3
+ABI = 4
 COMPILE_TIMEOUT_S = 300
 
 _STATE = {"off": 0}  # open native_disabled() blocks
@@ -178,19 +178,19 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         raise RuntimeError("the compiled library reports another ABI version")
     lib.capsctl_routed_forward.argtypes = [_PTR] * 5 + [_I64] * 8
     lib.capsctl_routed_forward.restype = None
-    lib.capsctl_routed_backward.argtypes = [_PTR] * 8 + [_I64] * 8
+    lib.capsctl_routed_backward.argtypes = [_PTR] * 9 + [_I64] * 8
     lib.capsctl_routed_backward.restype = None
     lib.capsctl_weighted_forward.argtypes = [_PTR] * 4 + [_I64] * 8
     lib.capsctl_weighted_forward.restype = None
-    lib.capsctl_weighted_backward.argtypes = [_PTR] * 7 + [_I64] * 8
+    lib.capsctl_weighted_backward.argtypes = [_PTR] * 8 + [_I64] * 8
     lib.capsctl_weighted_backward.restype = None
     for name, ptrs in (
         ("em_moments_forward", 7),
-        ("em_moments_backward", 11),
+        ("em_moments_backward", 12),
         ("em_quad_forward", 5),
-        ("em_quad_backward", 8),
+        ("em_quad_backward", 9),
         ("gated_forward", 8),
-        ("gated_backward", 10),
+        ("gated_backward", 11),
     ):
         fn = getattr(lib, f"capsctl_{name}")
         fn.argtypes = [_PTR] * ptrs + [_I64] * 8

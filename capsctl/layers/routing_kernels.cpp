@@ -185,15 +185,16 @@ struct VoteGrads {
   static constexpr bool kBlock = A == 1 && X == 16;
   const Shape<A, X, C, M>& sh;
   const float* __restrict x;
+  const float* __restrict wt;  // the weights transposed, [J, c*m, x] (kBlock with gx only)
   float* __restrict gx;
   float* __restrict gw;
   int64_t nb, b0;
-  Scratch buf;  // the block's votes' gradients [BT, dm] (one slot without kBlock), w_j^T [cm, x]
+  Scratch buf;  // the block's votes' gradients [BT, dm] (one slot without kBlock)
 
-  VoteGrads(const Shape<A, X, C, M>& s, const float* x_, float* gx_, float* gw_, int64_t nb_,
-            int64_t b0_)
-      : sh(s), x(x_), gx(gx_), gw(gw_), nb(nb_), b0(b0_),
-        buf(kBlock ? BT * s.dm() + X * s.cm() : s.dm()) {}
+  VoteGrads(const Shape<A, X, C, M>& s, const float* x_, const float* wt_, float* gx_,
+            float* gw_, int64_t nb_, int64_t b0_)
+      : sh(s), x(x_), wt(wt_), gx(gx_), gw(gw_), nb(nb_), b0(b0_),
+        buf(kBlock ? BT * s.dm() : s.dm()) {}
 
   bool wanted() const { return gx != nullptr || gw != nullptr; }
   // where the gradient of pair (j, b) goes
@@ -219,15 +220,13 @@ struct VoteGrads {
       std::fill(g + rows * cm, g + BT * cm, 0.f);
       const float* __restrict xb = x + (j * nb + lo) * X;  // [rows, 16]
       if (gx != nullptr) {
-        float* __restrict wt = buf.data() + BT * sh.dm();  // w_j^T [cm, 16]
-        for (int64_t k = 0; k < X; ++k)
-          for (int64_t t = 0; t < cm; ++t) wt[t * X + k] = wj[k * cm + t];
+        const float* __restrict wtj = wt + j * cm * X;  // w_j^T [cm, 16]
         float acc[BT][X] = {};
         for (int64_t t = 0; t < cm; ++t) {
           for (int64_t r = 0; r < BT; ++r) {
             const float gr = g[r * cm + t];
 #pragma omp simd
-            for (int64_t k = 0; k < X; ++k) acc[r][k] += gr * wt[t * X + k];
+            for (int64_t k = 0; k < X; ++k) acc[r][k] += gr * wtj[t * X + k];
           }
         }
         float* __restrict gxb = gx + (j * nb + lo) * X;
@@ -298,12 +297,13 @@ void forward(const float* __restrict x, const float* __restrict w, const float* 
 }
 
 template <int A, int X, int C, int M>
-void backward(const float* __restrict x, const float* __restrict w, const float* __restrict pq,
+void backward(const float* __restrict x, const float* __restrict w,
+    const float* __restrict wt, const float* __restrict pq,
               const float* __restrict r, const float* __restrict gq, float* __restrict gx,
               float* __restrict gw, float* __restrict gp, const Dims& dd, int64_t b0,
               int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, dd.b, b0);
+  const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const Scratch scratch(BT * dm + 2 * m);
   float* __restrict dr = scratch.data() + BT * dm;
@@ -351,11 +351,12 @@ void weighted_forward(const float* __restrict x, const float* __restrict w,
 
 template <int A, int X, int C, int M>
 void weighted_backward(const float* __restrict x, const float* __restrict w,
+    const float* __restrict wt,
                        const float* __restrict r, const float* __restrict gq,
                        float* __restrict gx, float* __restrict gw, float* __restrict gr,
                        const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
-  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, dd.b, b0);
+  const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const Scratch scratch(BT * dm);
   auto start = [](int64_t, int64_t) {};
@@ -421,6 +422,7 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
 // gwr [J, a*x, m], then gbr [J, m] (nullptr: none wanted).
 template <int A, int X, int C, int M>
 void gated_backward(const float* __restrict x, const float* __restrict w,
+    const float* __restrict wt,
                     const float* __restrict wr, const float* __restrict cs,
                     const float* __restrict act, const float* __restrict gs,
                     const float* __restrict gt, float* __restrict gact, float* __restrict gx,
@@ -429,7 +431,7 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), nb = dd.b, nj = dd.j;
   float* __restrict gwr = gacc == nullptr ? nullptr : gacc + nj * sh.x() * sh.cm();
   float* __restrict gbr = gwr == nullptr ? nullptr : gwr + nj * ax * m;
-  const VoteGrads<A, X, C, M> vg(sh, x, gx, gacc, nb, b0);
+  const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gacc, nb, b0);
   const Scratch scratch(BT * dm + BT * m + 2 * m);
   float* __restrict glb = scratch.data() + BT * dm;  // the block's logits' gradients [BT, m]
   float* __restrict dmass = glb + BT * m;
@@ -557,6 +559,7 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
 
 template <int A, int X, int C, int M>
 void moments_backward(const float* __restrict x, const float* __restrict w,
+    const float* __restrict wt,
                       const float* __restrict shift, const float* __restrict r,
                       const float* __restrict act, const float* __restrict gs,
                       const float* __restrict gm, float* __restrict gr, float* __restrict ga,
@@ -565,7 +568,7 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
-  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, nb, b0);
+  const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, nb, b0);
   const Scratch scratch(BT * dm + 2 * m);
   float* __restrict g = scratch.data() + BT * dm;
   float* __restrict ra = g + m;
@@ -633,13 +636,14 @@ void quad_forward(const float* __restrict x, const float* __restrict w,
 
 template <int A, int X, int C, int M>
 void quad_backward(const float* __restrict x, const float* __restrict w,
+    const float* __restrict wt,
                    const float* __restrict shift, const float* __restrict qp,
                    const float* __restrict gq, float* __restrict gqp, float* __restrict gx,
                    float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
-  const VoteGrads<A, X, C, M> vg(sh, x, gx, gw, nb, b0);
+  const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, nb, b0);
   const Scratch scratch(BT * dm + m);
   float* __restrict g = scratch.data() + BT * dm;
   auto start = [&](int64_t lo, int64_t hi) {
@@ -705,7 +709,7 @@ extern "C" {
 // Every function takes its pointers, then the sizes J, B, a, x, c, m and the sites [b0, b1); a
 // backward pass takes the calling thread's weight-gradient accumulator as its last pointer.
 // Version of the functions' signatures; native.py refuses a library that reports another.
-int capsctl_kernels_abi() { return 3; }
+int capsctl_kernels_abi() { return 4; }
 
 void capsctl_routed_forward(const float* x, const float* w, const float* pq, float* s, float* r,
                             int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
@@ -714,12 +718,12 @@ void capsctl_routed_forward(const float* x, const float* w, const float* pq, flo
   CAPSCTL_DISPATCH(forward, x, w, pq, s, r, dd, b0, b1);
 }
 
-void capsctl_routed_backward(const float* x, const float* w, const float* pq, const float* r,
+void capsctl_routed_backward(const float* x, const float* w, const float* wt, const float* pq, const float* r,
                              const float* gq, float* gx, float* gp, float* gw, int64_t j,
                              int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m, int64_t b0,
                              int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(backward, x, w, pq, r, gq, gx, gw, gp, dd, b0, b1);
+  CAPSCTL_DISPATCH(backward, x, w, wt, pq, r, gq, gx, gw, gp, dd, b0, b1);
 }
 
 void capsctl_weighted_forward(const float* x, const float* w, const float* r, float* s,
@@ -729,11 +733,11 @@ void capsctl_weighted_forward(const float* x, const float* w, const float* r, fl
   CAPSCTL_DISPATCH(weighted_forward, x, w, r, s, dd, b0, b1);
 }
 
-void capsctl_weighted_backward(const float* x, const float* w, const float* r, const float* gq,
+void capsctl_weighted_backward(const float* x, const float* w, const float* wt, const float* r, const float* gq,
                                float* gx, float* gr, float* gw, int64_t j, int64_t b, int64_t a,
                                int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(weighted_backward, x, w, r, gq, gx, gw, gr, dd, b0, b1);
+  CAPSCTL_DISPATCH(weighted_backward, x, w, wt, r, gq, gx, gw, gr, dd, b0, b1);
 }
 
 void capsctl_gated_forward(const float* x, const float* w, const float* wr, const float* br,
@@ -744,12 +748,12 @@ void capsctl_gated_forward(const float* x, const float* w, const float* wr, cons
   CAPSCTL_DISPATCH(gated_forward, x, w, wr, br, act, s, tot, cs, dd, b0, b1);
 }
 
-void capsctl_gated_backward(const float* x, const float* w, const float* wr, const float* cs,
+void capsctl_gated_backward(const float* x, const float* w, const float* wt, const float* wr, const float* cs,
                             const float* act, const float* gs, const float* gt, float* gact,
                             float* gx, float* gacc, int64_t j, int64_t b, int64_t a, int64_t xd,
                             int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(gated_backward, x, w, wr, cs, act, gs, gt, gact, gx, gacc, dd, b0, b1);
+  CAPSCTL_DISPATCH(gated_backward, x, w, wt, wr, cs, act, gs, gt, gact, gx, gacc, dd, b0, b1);
 }
 
 void capsctl_em_moments_forward(const float* x, const float* w, const float* shift,
@@ -760,13 +764,13 @@ void capsctl_em_moments_forward(const float* x, const float* w, const float* shi
   CAPSCTL_DISPATCH(moments_forward, x, w, shift, r, act, out, mass, dd, b0, b1);
 }
 
-void capsctl_em_moments_backward(const float* x, const float* w, const float* shift,
+void capsctl_em_moments_backward(const float* x, const float* w, const float* wt, const float* shift,
                                  const float* r, const float* act, const float* gs,
                                  const float* gm, float* gr, float* ga, float* gx, float* gw,
                                  int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
                                  int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(moments_backward, x, w, shift, r, act, gs, gm, gr, ga, gx, gw, dd, b0, b1);
+  CAPSCTL_DISPATCH(moments_backward, x, w, wt, shift, r, act, gs, gm, gr, ga, gx, gw, dd, b0, b1);
 }
 
 void capsctl_em_quad_forward(const float* x, const float* w, const float* shift,
@@ -776,12 +780,12 @@ void capsctl_em_quad_forward(const float* x, const float* w, const float* shift,
   CAPSCTL_DISPATCH(quad_forward, x, w, shift, qp, out, dd, b0, b1);
 }
 
-void capsctl_em_quad_backward(const float* x, const float* w, const float* shift,
+void capsctl_em_quad_backward(const float* x, const float* w, const float* wt, const float* shift,
                               const float* qp, const float* gq, float* gqp, float* gx, float* gw,
                               int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
                               int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(quad_backward, x, w, shift, qp, gq, gqp, gx, gw, dd, b0, b1);
+  CAPSCTL_DISPATCH(quad_backward, x, w, wt, shift, qp, gq, gqp, gx, gw, dd, b0, b1);
 }
 
 }  // extern "C"
