@@ -82,6 +82,7 @@ SHAPES = [
     (6, 3, 4, 4, 1, 4),
     (8, 5, 1, 8, 3, 16),
     (1, 4, 2, 3, 2, 5),
+    (3, 70, 1, 16, 10, 16),  # forward passes of 16-d vectors run 64 sites a block: two blocks
 ]
 
 

@@ -29,6 +29,14 @@ namespace {
 // time from the first-level cache), while the block's parents (pq, s, gq, gp: BT * a*c*m floats
 // each) stay in the first two cache levels.
 constexpr int64_t BT = 16;
+// Sites per block of a forward pass (which keeps no per-site gradients): 64 for 16-d pose
+// vectors, whose weights (32 KiB a child at 32 parent types) were read once per 16 sites
+// (forward 33.6 -> 30.3 ms on one thread, J=288, 400 sites); BT otherwise (4x4 matrices: 64 made
+// EM's forward passes 15-30% slower, their per-site sums outgrowing the first-level cache).
+template <int A, int X>
+constexpr int64_t forward_block() {
+  return A == 1 && X == 16 ? 64 : BT;
+}
 // Columns of the weights per strip of the votes' product: one 512-bit vector of floats.
 constexpr int64_t TC = 16;
 
@@ -261,13 +269,13 @@ struct VoteGrads {
 // The done() of a pass with nothing to finish per child and block.
 constexpr auto no_done = [](int64_t, int64_t, int64_t, const float*) {};
 
-template <class S, class Start, class Site, class Done>
+template <int64_t BS = BT, class S, class Start, class Site, class Done>
 inline void for_pairs(const float* __restrict x, const float* __restrict w, const Dims& dd,
                       const S& sh, float* __restrict vb, bool want_votes, int64_t b0, int64_t b1,
                       Start start, Site site, Done done) {
   const int64_t dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm();
-  for (int64_t lo = b0; lo < b1; lo += BT) {
-    const int64_t hi = std::min(b1, lo + BT);
+  for (int64_t lo = b0; lo < b1; lo += BS) {
+    const int64_t hi = std::min(b1, lo + BS);
     start(lo, hi);
     for (int64_t j = 0; j < dd.j; ++j) {
       const float* __restrict wj = w + j * wn;
@@ -281,10 +289,11 @@ inline void for_pairs(const float* __restrict x, const float* __restrict w, cons
 template <int A, int X, int C, int M>
 void forward(const float* __restrict x, const float* __restrict w, const float* __restrict pq,
              float* __restrict s, float* __restrict r, const Dims& dd, int64_t b0, int64_t b1) {
+  constexpr int64_t BF = forward_block<A, X>();
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
-  const Scratch scratch(BT * dm + m);
-  float* __restrict lg = scratch.data() + BT * dm;
+  const Scratch scratch(BF * dm + m);
+  float* __restrict lg = scratch.data() + BF * dm;
   auto start = [&](int64_t lo, int64_t hi) { std::fill(s + lo * dm, s + hi * dm, 0.f); };
   auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
     dot_d(v, pq + b * dm, lg, d, m);
@@ -293,7 +302,7 @@ void forward(const float* __restrict x, const float* __restrict w, const float* 
     for (int64_t k = 0; k < m; ++k) rj[k] = lg[k];
     add_weighted(s + b * dm, lg, v, d, m);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
+  for_pairs<BF>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -339,14 +348,15 @@ template <int A, int X, int C, int M>
 void weighted_forward(const float* __restrict x, const float* __restrict w,
                       const float* __restrict r, float* __restrict s, const Dims& dd,
                       int64_t b0, int64_t b1) {
+  constexpr int64_t BF = forward_block<A, X>();
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
-  const Scratch scratch(BT * dm);
+  const Scratch scratch(BF * dm);
   auto start = [&](int64_t lo, int64_t hi) { std::fill(s + lo * dm, s + hi * dm, 0.f); };
   auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
     add_weighted(s + b * dm, r + (j * dd.b + b) * m, v, d, m);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
+  for_pairs<BF>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
@@ -388,10 +398,11 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
                    const float* __restrict wr, const float* __restrict br,
                    const float* __restrict act, float* __restrict s, float* __restrict tot,
                    float* __restrict cs, const Dims& dd, int64_t b0, int64_t b1) {
+  constexpr int64_t BF = forward_block<A, X>();
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), nb = dd.b, nj = dd.j;
-  const Scratch scratch(BT * dm + m);
-  float* __restrict mass = scratch.data() + BT * dm;
+  const Scratch scratch(BF * dm + m);
+  float* __restrict mass = scratch.data() + BF * dm;
   auto start = [&](int64_t lo, int64_t hi) {
     std::fill(s + lo * dm, s + hi * dm, 0.f);
     std::fill(tot + lo * m, tot + hi * m, 0.f);
@@ -415,7 +426,7 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
     }
     add_weighted(s + b * dm, mass, v, d, m);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
+  for_pairs<BF>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 // gacc: the calling thread's accumulator of the weights' gradients, gw [J, x, c*m], then
@@ -518,23 +529,24 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
                      const float* __restrict shift, const float* __restrict r,
                      const float* __restrict act, float* __restrict out, float* __restrict mass,
                      const Dims& dd, int64_t b0, int64_t b1) {
+  constexpr int64_t BF = forward_block<A, X>();
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
-  const Scratch scratch(BT * dm + m);
-  float* __restrict ra = scratch.data() + BT * dm;
+  const Scratch scratch(BF * dm + m);
+  float* __restrict ra = scratch.data() + BF * dm;
   // the block's masses, summed in double: EM's variances subtract terms divided by the mass, so
   // its rounding error grows there (a float sum over 800 children moved the class layer's
   // weight gradients by 5e-4 of their size)
-  std::unique_ptr<double[]> macc(new double[BT * m]);
+  std::unique_ptr<double[]> macc(new double[BF * m]);
   auto start = [&](int64_t lo, int64_t hi) {
     std::fill(out + lo * dm, out + hi * dm, 0.f);
     std::fill(out + (nb + lo) * dm, out + (nb + hi) * dm, 0.f);
-    std::fill(macc.get(), macc.get() + BT * m, 0.0);
+    std::fill(macc.get(), macc.get() + BF * m, 0.0);
   };
   auto site = [&](int64_t j, int64_t b, const float*, const float* v) {
     const float* __restrict u = shifted(v, shift + b * dm, dm);
     const float ab = act[b * nj + j];
-    double* __restrict mb = macc.get() + (b - b0) % BT * m;
+    double* __restrict mb = macc.get() + (b - b0) % BF * m;
     for (int64_t k = 0; k < m; ++k) {
       ra[k] = r[(b * nj + j) * m + k] * ab;
       mb[k] += ra[k];
@@ -554,7 +566,7 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
     if (j + 1 < nj) return;
     for (int64_t t = 0; t < (hi - lo) * m; ++t) mass[lo * m + t] = static_cast<float>(macc[t]);
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs<BF>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -612,10 +624,11 @@ template <int A, int X, int C, int M>
 void quad_forward(const float* __restrict x, const float* __restrict w,
                   const float* __restrict shift, const float* __restrict qp,
                   float* __restrict out, const Dims& dd, int64_t b0, int64_t b1) {
+  constexpr int64_t BF = forward_block<A, X>();
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nj = dd.j;
-  const Scratch scratch(BT * dm + m);
-  float* __restrict q = scratch.data() + BT * dm;
+  const Scratch scratch(BF * dm + m);
+  float* __restrict q = scratch.data() + BF * dm;
   auto start = [](int64_t, int64_t) {};
   auto site = [&](int64_t j, int64_t b, const float*, const float* v) {
     const float* __restrict u = shifted(v, shift + b * dm, dm);
@@ -631,7 +644,7 @@ void quad_forward(const float* __restrict x, const float* __restrict w,
     }
     for (int64_t k = 0; k < m; ++k) out[(b * nj + j) * m + k] = q[k];
   };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
+  for_pairs<BF>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, no_done);
 }
 
 template <int A, int X, int C, int M>
