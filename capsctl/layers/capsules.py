@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from capsctl.layers.layout import permute_rows, window_copy
+from capsctl.layers.pose_norm import pose_layer_norm
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routing import routed_pass
 
@@ -54,7 +55,7 @@ class PrimaryCapsules(nn.Module):
         b, _, h, w = feats.shape
         y = self.conv(feats.contiguous(memory_format=torch.channels_last))  # [b, n*d, h, w]
         y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
-        return self.norm(y)
+        return pose_layer_norm(y, self.norm)
 
 
 class PrimaryCapsulesWithActivations(PrimaryCapsules):
@@ -136,7 +137,7 @@ class CapsuleLayer(nn.Module):
 
     def finish(self, s: Tensor) -> Tensor:
         """Dropout then LayerNorm over the pose entries (last dim)."""
-        return self.norm(self.dropout(s))
+        return pose_layer_norm(self.dropout(s), self.norm)
 
     def uniform_sum(self, child: Tensor) -> Tensor:
         raise NotImplementedError

@@ -1,5 +1,5 @@
 """Fused CPU loops for the routed and weighted passes, compiled on first use
-(capsctl/layers/routing_kernels.cpp).
+(capsctl/layers/routing_kernels.cpp), and for the poses' LayerNorm (layer_norm.cpp).
 
 The chunked routed pass (capsctl/layers/routing.py) runs each tile of votes as about a dozen
 torch kernels, every one a full pass over a tile in the cache. The same math written as one loop
@@ -54,7 +54,8 @@ NATIVE_ENV = "CAPSCTL_NATIVE"
 #: Environment variable: folder of compiled libraries (default ``$XDG_CACHE_HOME/capsctl`` or
 #: ``~/.cache/capsctl``, then a temporary folder where neither can be written).
 CACHE_ENV = "CAPSCTL_CACHE"
-SOURCE = Path(__file__).with_name("routing_kernels.cpp")
+#: The sources built into the one library: the vote-sized passes and the poses' LayerNorm.
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("routing_kernels.cpp", "layer_norm.cpp"))
 FLAGS = (
     "-O3",
     "-march=native",
@@ -69,7 +70,7 @@ FLAGS = (
 # pass of 16-d pose vectors took 47-53 ms (forward) and 226-231 ms (backward) that way,
 # 40 and 128-134 ms with 512-bit vectors.
 X86_FLAGS = ("-mprefer-vector-width=512",)
-ABI = 4
+ABI = 5
 COMPILE_TIMEOUT_S = 300
 
 _STATE = {"off": 0}  # open native_disabled() blocks
@@ -139,8 +140,9 @@ def _build(cxx: str) -> Path:
         [cxx, "--version"], capture_output=True, text=True, timeout=60, check=False
     ).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(build_flags()).encode(), version.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(build_flags()).encode()):
         digest.update(part)
+    digest.update(version.encode())
     digest.update(_cpu_key().encode())
     name = f"routing_kernels-{digest.hexdigest()[:16]}.so"
     folders = [_cache_dir() / "kernels", Path(tempfile.gettempdir()) / "capsctl-kernels"]
@@ -157,7 +159,7 @@ def _build(cxx: str) -> Path:
             errors.append(f"{folder}: {exc.strerror}")
             continue
         try:
-            cmd = [cxx, *build_flags(), str(SOURCE), "-o", tmp, "-lm"]
+            cmd = [cxx, *build_flags(), *map(str, SOURCES), "-o", tmp, "-lm"]
             done = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
             )
@@ -195,6 +197,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(lib, f"capsctl_{name}")
         fn.argtypes = [_PTR] * ptrs + [_I64] * 8
         fn.restype = None
+    lib.capsctl_layer_norm_forward.argtypes = [_PTR] * 6 + [_I64, ctypes.c_float, _I64, _I64]
+    lib.capsctl_layer_norm_forward.restype = None
+    lib.capsctl_layer_norm_backward.argtypes = [_PTR] * 7 + [_I64] * 3
+    lib.capsctl_layer_norm_backward.restype = None
     return lib
 
 

@@ -722,7 +722,7 @@ extern "C" {
 // Every function takes its pointers, then the sizes J, B, a, x, c, m and the sites [b0, b1); a
 // backward pass takes the calling thread's weight-gradient accumulator as its last pointer.
 // Version of the functions' signatures; native.py refuses a library that reports another.
-int capsctl_kernels_abi() { return 4; }
+int capsctl_kernels_abi() { return 5; }
 
 void capsctl_routed_forward(const float* x, const float* w, const float* pq, float* s, float* r,
                             int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,

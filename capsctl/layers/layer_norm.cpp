@@ -1,0 +1,123 @@
+// LayerNorm over short rows (capsctl/layers/pose_norm.py): the capsules' poses, d = 16 floats a
+// row, normalized one row at a time. torch's CPU kernel takes about as long per row of 16 as per
+// row of hundreds; here a row is one vector register. Built into the same library as
+// routing_kernels.cpp (capsctl/layers/native.py).
+//
+//   x[R, d] rows, w[d], b[d]:  y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(var + eps)
+//   backward, from gy:  h = gy * w,  xh = (x - mean) * rstd,
+//                       gx = rstd * (h - mean_d(h) - xh * mean_d(h * xh)),
+//                       gw = sum_R gy * xh,  gb = sum_R gy
+//
+// Every function handles the rows [r0, r1); the caller runs disjoint ranges in parallel threads,
+// each backward with its own accumulator of gw and gb.
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// The row length, a compile-time constant where D > 0.
+template <int D>
+struct Row {
+  int64_t d_;
+  int64_t d() const {
+    if constexpr (D > 0) return D;
+    return d_;
+  }
+};
+
+template <int D>
+void ln_forward(const float* __restrict x, const float* __restrict w, const float* __restrict b,
+                float* __restrict y, float* __restrict mean, float* __restrict rstd,
+                int64_t dn, float eps, int64_t r0, int64_t r1) {
+  const int64_t d = Row<D>{dn}.d();
+  const float inv_d = 1.f / static_cast<float>(d);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* __restrict xr = x + r * d;
+    float* __restrict yr = y + r * d;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < d; ++k) s += xr[k];
+    const float mu = s * inv_d;
+    float v = 0.f;
+#pragma omp simd reduction(+ : v)
+    for (int64_t k = 0; k < d; ++k) v += (xr[k] - mu) * (xr[k] - mu);
+    const float rs = 1.f / std::sqrt(v * inv_d + eps);
+#pragma omp simd
+    for (int64_t k = 0; k < d; ++k) yr[k] = (xr[k] - mu) * rs * w[k] + b[k];
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+}
+
+// Rows per partial sum of gw and gb: float sums over a few hundred rows, then added in double,
+// so a thread's sum over a million rows keeps float32 accuracy.
+constexpr int64_t PART = 256;
+
+// acc[2, d] (double): the thread's gw, then gb, added to (the caller zeroes it).
+template <int D>
+void ln_backward(const float* __restrict x, const float* __restrict w,
+                 const float* __restrict mean, const float* __restrict rstd,
+                 const float* __restrict gy, float* __restrict gx, double* __restrict acc,
+                 int64_t dn, int64_t r0, int64_t r1) {
+  const int64_t d = Row<D>{dn}.d();
+  const float inv_d = 1.f / static_cast<float>(d);
+  float pw[D > 0 ? D : 1024], pb[D > 0 ? D : 1024];  // d <= 1024 (checked by the caller)
+  for (int64_t p0 = r0; p0 < r1; p0 += PART) {
+    const int64_t p1 = p0 + PART < r1 ? p0 + PART : r1;
+    for (int64_t k = 0; k < d; ++k) pw[k] = pb[k] = 0.f;
+    for (int64_t r = p0; r < p1; ++r) {
+      const float* __restrict xr = x + r * d;
+      const float* __restrict gr = gy + r * d;
+      const float mu = mean[r], rs = rstd[r];
+      float sh = 0.f, shx = 0.f;
+#pragma omp simd reduction(+ : sh, shx)
+      for (int64_t k = 0; k < d; ++k) {
+        const float xh = (xr[k] - mu) * rs;
+        const float h = gr[k] * w[k];
+        sh += h;
+        shx += h * xh;
+        pw[k] += gr[k] * xh;
+        pb[k] += gr[k];
+      }
+      if (gx == nullptr) continue;
+      const float a = sh * inv_d, c = shx * inv_d;
+      float* __restrict gxr = gx + r * d;
+#pragma omp simd
+      for (int64_t k = 0; k < d; ++k) {
+        const float xh = (xr[k] - mu) * rs;
+        gxr[k] = rs * (gr[k] * w[k] - a - xh * c);
+      }
+    }
+    for (int64_t k = 0; k < d; ++k) {
+      acc[k] += pw[k];
+      acc[d + k] += pb[k];
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void capsctl_layer_norm_forward(const float* x, const float* w, const float* b, float* y,
+                                float* mean, float* rstd, int64_t d, float eps, int64_t r0,
+                                int64_t r1) {
+  if (d == 16) {
+    ln_forward<16>(x, w, b, y, mean, rstd, d, eps, r0, r1);
+  } else {
+    ln_forward<0>(x, w, b, y, mean, rstd, d, eps, r0, r1);
+  }
+}
+
+void capsctl_layer_norm_backward(const float* x, const float* w, const float* mean,
+                                 const float* rstd, const float* gy, float* gx, double* acc,
+                                 int64_t d, int64_t r0, int64_t r1) {
+  if (d == 16) {
+    ln_backward<16>(x, w, mean, rstd, gy, gx, acc, d, r0, r1);
+  } else {
+    ln_backward<0>(x, w, mean, rstd, gy, gx, acc, d, r0, r1);
+  }
+}
+
+}  // extern "C"
