@@ -180,6 +180,21 @@ def test_conv_layer_matches_naive(
     assert torch.allclose(coeff.sum(-1), torch.ones_like(coeff.sum(-1)), atol=1e-12)
 
 
+def test_primary_capsules_hand_back_a_gradient_in_their_inputs_layout() -> None:
+    """The features go channels-last into the 1x1 convolution; their gradient must come back
+    contiguous like them (an element-wise backward over two layouts is several times slower)."""
+    from capsctl.layers.capsules import PrimaryCapsules
+
+    leaf = torch.randn(2, 8, 5, 5, requires_grad=True)
+    feats = torch.relu(leaf)  # not a leaf: its gradient is what the backward pass produced
+    seen: list[torch.Tensor] = []
+    feats.register_hook(seen.append)
+    PrimaryCapsules(8, 4, 16)(feats).square().sum().backward()
+    assert len(seen) == 1 and seen[0].is_contiguous()
+    frozen = torch.randn(2, 8, 5, 5)  # no gradient: a plain copy
+    assert PrimaryCapsules(8, 4, 16)(frozen).shape == (2, 5, 5, 4, 16)
+
+
 def test_the_uniform_pass_convolves_with_a_dense_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     """A weight in no dense layout is copied by the convolution itself, element by element,
     in the forward and again in the backward pass; the layer hands it over transposed once."""

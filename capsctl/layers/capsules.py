@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsctl.layers.layout import permute_rows, window_copy
+from capsctl.layers.layout import permute_rows, to_channels_last, window_copy
 from capsctl.layers.pose_norm import pose_layer_norm
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routing import routed_pass
@@ -53,7 +53,7 @@ class PrimaryCapsules(nn.Module):
         """Channels-last convolution: its output ``[b, h, w, n*d]`` in memory already is the
         grid of poses, so reading it as capsules copies nothing (the features are smaller)."""
         b, _, h, w = feats.shape
-        y = self.conv(feats.contiguous(memory_format=torch.channels_last))  # [b, n*d, h, w]
+        y = self.conv(to_channels_last(feats))  # [b, n*d, h, w]
         y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
         return pose_layer_norm(y, self.norm)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["permute_rows", "window_copy"]
+__all__ = ["permute_rows", "to_channels_last", "window_copy"]
 
 # Element types by width in bytes: a run of that many bytes moves as one element.
 _BY_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
@@ -116,3 +116,28 @@ def window_copy(t: Tensor, kernel: int, stride: int, *, child_major: bool = Fals
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return _windows(t, kernel, stride, child_major)  # export and compile see plain ops
     return _WindowCopy.apply(t, kernel, stride, child_major)
+
+
+class _ToChannelsLast(torch.autograd.Function):
+    """A channels-last copy whose gradient goes back contiguous, the layout of its input."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.contiguous(memory_format=torch.channels_last)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def to_channels_last(x: Tensor) -> Tensor:
+    """``x[b, C, H, W]`` in channels-last memory; when ``x`` is contiguous and needs a gradient,
+    the gradient comes back contiguous too. Autograd's own copy hands the layer before a
+    channels-last gradient, and an element-wise backward over two layouts (a ReLU's: its saved
+    output contiguous, the gradient not) walks one of them out of order: 11 ms instead of 2 ms
+    for the 128-channel 16x16 features of a batch of 128."""
+    tracked = x.requires_grad and torch.is_grad_enabled()
+    if tracked and x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last):
+        out: Tensor = _ToChannelsLast.apply(x)
+        return out
+    return x.contiguous(memory_format=torch.channels_last)
