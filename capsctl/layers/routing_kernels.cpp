@@ -174,11 +174,11 @@ inline void grad_w(const float* __restrict xa, const float* __restrict gv, float
   const int64_t a_n = sh.a(), x_n = sh.x(), cm = sh.cm();
   for (int64_t k = 0; k < x_n; ++k) {
     float* __restrict gwk = gwj + k * cm;
-    for (int64_t a = 0; a < a_n; ++a) {
-      const float xv = xa[a * x_n + k];
-      const float* __restrict ga = gv + a * cm;
 #pragma omp simd
-      for (int64_t t = 0; t < cm; ++t) gwk[t] += xv * ga[t];
+    for (int64_t t = 0; t < cm; ++t) {  // each gradient entry loaded and stored once
+      float acc = gwk[t];
+      for (int64_t a = 0; a < a_n; ++a) acc += xa[a * x_n + k] * gv[a * cm + t];
+      gwk[t] = acc;
     }
   }
 }
