@@ -95,6 +95,15 @@ def _inputs(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, ...]:
     return x, w, p
 
 
+def _self_inputs(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, ...]:
+    """Self-routing's ``act[B, J]``, ``x``, ``w``, ``wr[J, a*x, m]`` and ``br[J, m]``."""
+    j, b, a, xd, m, _ = shape
+    x, w, _ = _inputs(shape, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    act = torch.rand(b, j, generator=g)
+    return act, x, w, torch.randn(j, a * xd, m, generator=g), torch.randn(j, m, generator=g)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_routed_pass_matches_the_equations(shape: tuple[int, ...]) -> None:
     _require_native()
@@ -204,12 +213,7 @@ def test_self_routing_pass_equals_the_torch_code(shape: tuple[int, ...]) -> None
     _require_native()
     from capsctl.layers.self_routing import self_route
 
-    j, b, a, xd, m, _ = shape
-    x, w, _ = _inputs(shape, 12)
-    g = torch.Generator().manual_seed(13)
-    act = torch.rand(b, j, generator=g)
-    wr = torch.randn(j, a * xd, m, generator=g)
-    br = torch.randn(j, m, generator=g)
+    act, x, w, wr, br = _self_inputs(shape, 12)
 
     def run() -> list[torch.Tensor]:
         leaves = [t.clone().requires_grad_(True) for t in (act, x, w, wr, br)]
@@ -243,14 +247,8 @@ def test_weight_gradients_start_from_zero_in_uninitialized_accumulators(
         native_passes, "_accumulator", lambda x, shape: x.new_full(shape, float("nan"))
     )
     monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", "2")
-    j, b, a, xd, m, _ = shape
-    x, w, p = _inputs(shape, 31)
-    g = torch.Generator().manual_seed(32)
-    act, wr, br = (
-        torch.rand(b, j, generator=g),
-        torch.randn(j, a * xd, m, generator=g),
-        torch.randn(j, m, generator=g),
-    )
+    _, _, p = _inputs(shape, 31)
+    act, x, w, wr, br = _self_inputs(shape, 31)
 
     def grads() -> list[torch.Tensor]:
         leaves = [t.clone().requires_grad_(True) for t in (w, wr, br)]
@@ -344,13 +342,7 @@ def test_threads_give_the_results_of_one_thread_in_self_routing(
     _require_native()
     from capsctl.layers.self_routing import self_route
 
-    x, w, _ = _inputs((9, 13, 4, 4, 10, 4), 7)
-    g = torch.Generator().manual_seed(8)
-    act, wr, br = (
-        torch.rand(13, 9, generator=g),
-        torch.randn(9, 16, 10, generator=g),
-        torch.randn(9, 10, generator=g),
-    )
+    act, x, w, wr, br = _self_inputs((9, 13, 4, 4, 10, 4), 7)
 
     def run() -> list[torch.Tensor]:
         leaves = [t.clone().requires_grad_(True) for t in (act, x, w, wr, br)]
@@ -372,13 +364,7 @@ def test_self_routing_gradients_of_one_output_alone() -> None:
     _require_native()
     from capsctl.layers.self_routing import self_route
 
-    x, w, _ = _inputs((9, 13, 4, 4, 10, 4), 21)
-    g = torch.Generator().manual_seed(22)
-    act, wr, br = (
-        torch.rand(13, 9, generator=g),
-        torch.randn(9, 16, 10, generator=g),
-        torch.randn(9, 10, generator=g),
-    )
+    act, x, w, wr, br = _self_inputs((9, 13, 4, 4, 10, 4), 21)
     for pick in (0, 1):
 
         def run(pick: int = pick) -> list[torch.Tensor]:
