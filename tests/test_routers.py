@@ -193,7 +193,8 @@ def test_flop_count_includes_the_routing() -> None:
 
 def test_flop_count_includes_em_routing() -> None:
     """EM routing adds ``2 * 2 * J * B * m * d`` FLOPs per M-step (the two moments) and per
-    E-step but the last (the quadratic form): ``2 T - 1`` of them at T iterations."""
+    E-step but the last (the quadratic form): ``2 T - 1`` of them at T iterations; and
+    ``2 * J * B * m`` per M-step (the mass ``sum_J R a``)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from capsctl.compare.flops import count_flops
@@ -207,7 +208,8 @@ def test_flop_count_includes_em_routing() -> None:
     # per image: conv capsules: 6x6 sites, J = 3*3*4 children, m = 4 types, d = 16;
     # class capsules: 1 site, J = 6*6*4, m = 10, d = 16
     entries = 6 * 6 * (3 * 3 * 4) * 4 * 16 + 1 * (6 * 6 * 4) * 10 * 16
-    routing = 2 * 2 * entries * (2 * 3 - 1) / 1e9
+    assignments = 6 * 6 * (3 * 3 * 4) * 4 + 1 * (6 * 6 * 4) * 10
+    routing = (2 * 2 * entries * (2 * 3 - 1) + 2 * assignments * 3) / 1e9
     assert count_flops(model, [1, 28, 28]) == pytest.approx(matmuls + routing, rel=1e-9)
 
 

@@ -335,10 +335,12 @@ class EMCapsules(BaselineCapsules):
         lam = self.final_lambda if final_lambda is None else final_lambda
         knobs = {"grid": grid, "standardize_costs": self.standardize_costs}
         # per vote entry, 2 multiply-accumulates in each M-step (the moments sum_J R V and
-        # sum_J R V^2) and in each E-step but the last (the quadratic form of the Gaussian)
+        # sum_J R V^2) and in each E-step but the last (the quadratic form of the Gaussian);
+        # per assignment, 1 in each M-step (the mass sum_J R a)
         bsz, j = a_in.shape
         entries = bsz * j * self.out_types * self.out_dim
         add_routing_flops(2 * 2 * entries * (2 * iterations - 1))
+        add_routing_flops(2 * bsz * j * self.out_types * iterations)
         dt = self.weight.dtype
         with torch.autocast(xs.device.type, enabled=False):  # routing stays in float32
             xs, a_in = xs.to(dt), a_in.to(dt)
