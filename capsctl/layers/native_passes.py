@@ -65,7 +65,8 @@ def _transposed(wc: Tensor, gx: Tensor | None) -> Tensor | None:
     """The weights ``wc[J, x, c*m]`` as ``[J, c*m, x]`` for a backward pass that computes
     ``gx`` (None otherwise): the loops of 16-d pose vectors multiply the votes' gradients by
     ``W^T`` a block of sites at a time, and transposing each child's weights there, once per
-    block, took about a fifth of the pass."""
+    block, took about a fifth of the pass. The loops of other shapes do not read it (a copy of
+    the weights, small next to the pass)."""
     return None if gx is None else wc.transpose(1, 2).contiguous()
 
 

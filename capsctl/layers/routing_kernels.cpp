@@ -370,11 +370,10 @@ void forward(const float* __restrict x, const float* __restrict w, const float* 
 }
 
 template <int A, int X, int C, int M>
-void backward(const float* __restrict x, const float* __restrict w,
-    const float* __restrict wt, const float* __restrict pq,
-              const float* __restrict r, const float* __restrict gq, float* __restrict gx,
-              float* __restrict gw, float* __restrict gp, const Dims& dd, int64_t b0,
-              int64_t b1) {
+void backward(const float* __restrict x, const float* __restrict w, const float* __restrict wt,
+              const float* __restrict pq, const float* __restrict r, const float* __restrict gq,
+              float* __restrict gx, float* __restrict gw, float* __restrict gp, const Dims& dd,
+              int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
@@ -425,10 +424,9 @@ void weighted_forward(const float* __restrict x, const float* __restrict w,
 
 template <int A, int X, int C, int M>
 void weighted_backward(const float* __restrict x, const float* __restrict w,
-    const float* __restrict wt,
-                       const float* __restrict r, const float* __restrict gq,
-                       float* __restrict gx, float* __restrict gw, float* __restrict gr,
-                       const Dims& dd, int64_t b0, int64_t b1) {
+                       const float* __restrict wt, const float* __restrict r,
+                       const float* __restrict gq, float* __restrict gx, float* __restrict gw,
+                       float* __restrict gr, const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
@@ -497,11 +495,11 @@ void gated_forward(const float* __restrict x, const float* __restrict w,
 // gwr [J, a*x, m], then gbr [J, m] (nullptr: none wanted).
 template <int A, int X, int C, int M>
 void gated_backward(const float* __restrict x, const float* __restrict w,
-    const float* __restrict wt,
-                    const float* __restrict wr, const float* __restrict cs,
-                    const float* __restrict act, const float* __restrict gs,
-                    const float* __restrict gt, float* __restrict gact, float* __restrict gx,
-                    float* __restrict gacc, const Dims& dd, int64_t b0, int64_t b1) {
+                    const float* __restrict wt, const float* __restrict wr,
+                    const float* __restrict cs, const float* __restrict act,
+                    const float* __restrict gs, const float* __restrict gt, float* __restrict gact,
+                    float* __restrict gx, float* __restrict gacc, const Dims& dd, int64_t b0,
+                    int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), ax = sh.ax(), nb = dd.b, nj = dd.j;
   float* __restrict gwr = gacc == nullptr ? nullptr : gacc + nj * sh.x() * sh.cm();
@@ -577,8 +575,8 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
 // EM routing's vote-sized work (capsctl/layers/em_kernels.py: VoteMoments, VoteQuad) on the
 // shifted votes u = V - shift[B, a, c, m]: the M-step's moments S[2, B, a, c, m] = sum_J r a (u,
 // u^2) and the mass M[B, m] = sum_J r a with assignments r[B, J, m] and child activations
-// act[B, J], and the E-step's quadratic
-// form Q[B, J, m] = sum_d (q u + p u^2) with qp[2, B, a, c, m]; each backward is the other.
+// act[B, J], and the E-step's quadratic form Q[B, J, m] = sum_d (q u + p u^2) with
+// qp[2, B, a, c, m]; each backward is the other.
 // The assignment-sized operands are site-child-major, so a pair's m values are contiguous.
 // The votes of a site are shifted in place (each site's are used once per child).
 inline float* shifted(const float* v, const float* __restrict shift, int64_t dm) {
@@ -635,12 +633,11 @@ void moments_forward(const float* __restrict x, const float* __restrict w,
 
 template <int A, int X, int C, int M>
 void moments_backward(const float* __restrict x, const float* __restrict w,
-    const float* __restrict wt,
-                      const float* __restrict shift, const float* __restrict r,
-                      const float* __restrict act, const float* __restrict gs,
-                      const float* __restrict gm, float* __restrict gr, float* __restrict ga,
-                      float* __restrict gx, float* __restrict gw, const Dims& dd, int64_t b0,
-                      int64_t b1) {
+                      const float* __restrict wt, const float* __restrict shift,
+                      const float* __restrict r, const float* __restrict act,
+                      const float* __restrict gs, const float* __restrict gm, float* __restrict gr,
+                      float* __restrict ga, float* __restrict gx, float* __restrict gw,
+                      const Dims& dd, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
@@ -712,8 +709,7 @@ void quad_forward(const float* __restrict x, const float* __restrict w,
 }
 
 template <int A, int X, int C, int M>
-void quad_backward(const float* __restrict x, const float* __restrict w,
-    const float* __restrict wt,
+void quad_backward(const float* __restrict x, const float* __restrict w, const float* __restrict wt,
                    const float* __restrict shift, const float* __restrict qp,
                    const float* __restrict gq, float* __restrict gqp, float* __restrict gx,
                    float* __restrict gw, const Dims& dd, int64_t b0, int64_t b1) {
@@ -784,7 +780,9 @@ void quad_backward(const float* __restrict x, const float* __restrict w,
 extern "C" {
 
 // Every function takes its pointers, then the sizes J, B, a, x, c, m and the sites [b0, b1); a
-// backward pass takes the calling thread's weight-gradient accumulator as its last pointer.
+// backward pass also takes the weights transposed, wt[J, c*m, x], after w (read by the loops of
+// 16-d pose vectors where gx is wanted; may be null otherwise), and the calling thread's
+// weight-gradient accumulator as its last pointer (zeroed by the loops).
 // Version of the functions' signatures; native.py refuses a library that reports another.
 int capsctl_kernels_abi() { return 5; }
 
@@ -795,10 +793,10 @@ void capsctl_routed_forward(const float* x, const float* w, const float* pq, flo
   CAPSCTL_DISPATCH(forward, x, w, pq, s, r, dd, b0, b1);
 }
 
-void capsctl_routed_backward(const float* x, const float* w, const float* wt, const float* pq, const float* r,
-                             const float* gq, float* gx, float* gp, float* gw, int64_t j,
-                             int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m, int64_t b0,
-                             int64_t b1) {
+void capsctl_routed_backward(const float* x, const float* w, const float* wt, const float* pq,
+                             const float* r, const float* gq, float* gx, float* gp, float* gw,
+                             int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
+                             int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(backward, x, w, wt, pq, r, gq, gx, gw, gp, dd, b0, b1);
 }
@@ -810,9 +808,10 @@ void capsctl_weighted_forward(const float* x, const float* w, const float* r, fl
   CAPSCTL_DISPATCH(weighted_forward, x, w, r, s, dd, b0, b1);
 }
 
-void capsctl_weighted_backward(const float* x, const float* w, const float* wt, const float* r, const float* gq,
-                               float* gx, float* gr, float* gw, int64_t j, int64_t b, int64_t a,
-                               int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
+void capsctl_weighted_backward(const float* x, const float* w, const float* wt, const float* r,
+                               const float* gq, float* gx, float* gr, float* gw, int64_t j,
+                               int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m, int64_t b0,
+                               int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(weighted_backward, x, w, wt, r, gq, gx, gw, gr, dd, b0, b1);
 }
@@ -825,10 +824,10 @@ void capsctl_gated_forward(const float* x, const float* w, const float* wr, cons
   CAPSCTL_DISPATCH(gated_forward, x, w, wr, br, act, s, tot, cs, dd, b0, b1);
 }
 
-void capsctl_gated_backward(const float* x, const float* w, const float* wt, const float* wr, const float* cs,
-                            const float* act, const float* gs, const float* gt, float* gact,
-                            float* gx, float* gacc, int64_t j, int64_t b, int64_t a, int64_t xd,
-                            int64_t c, int64_t m, int64_t b0, int64_t b1) {
+void capsctl_gated_backward(const float* x, const float* w, const float* wt, const float* wr,
+                            const float* cs, const float* act, const float* gs, const float* gt,
+                            float* gact, float* gx, float* gacc, int64_t j, int64_t b, int64_t a,
+                            int64_t xd, int64_t c, int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(gated_backward, x, w, wt, wr, cs, act, gs, gt, gact, gx, gacc, dd, b0, b1);
 }
@@ -841,10 +840,10 @@ void capsctl_em_moments_forward(const float* x, const float* w, const float* shi
   CAPSCTL_DISPATCH(moments_forward, x, w, shift, r, act, out, mass, dd, b0, b1);
 }
 
-void capsctl_em_moments_backward(const float* x, const float* w, const float* wt, const float* shift,
-                                 const float* r, const float* act, const float* gs,
-                                 const float* gm, float* gr, float* ga, float* gx, float* gw,
-                                 int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
+void capsctl_em_moments_backward(const float* x, const float* w, const float* wt,
+                                 const float* shift, const float* r, const float* act,
+                                 const float* gs, const float* gm, float* gr, float* ga, float* gx,
+                                 float* gw, int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c,
                                  int64_t m, int64_t b0, int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
   CAPSCTL_DISPATCH(moments_backward, x, w, wt, shift, r, act, gs, gm, gr, ga, gx, gw, dd, b0, b1);
