@@ -450,6 +450,30 @@ def test_the_library_is_built_once_into_the_cache(
     assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
 
 
+def test_a_change_to_any_source_builds_a_new_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    """The cache key covers every source built into the library, the LayerNorm's too: an
+    upgrade that changes only it must not load the old build."""
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    assert native.native_status().startswith("on")
+    copies = []
+    for source in native.SOURCES:
+        copy = tmp_path / "src" / source.name
+        copy.parent.mkdir(exist_ok=True)
+        copy.write_text(source.read_text())
+        copies.append(copy)
+    with copies[-1].open("a") as f:
+        f.write("// changed\n")
+    monkeypatch.setattr(native, "SOURCES", tuple(copies))
+    native._load.cache_clear()
+    assert native.native_status().startswith("on")
+    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 2
+
+
 def _cpu_has_avx512() -> bool:
     try:
         return " avx512f" in Path("/proc/cpuinfo").read_text()
