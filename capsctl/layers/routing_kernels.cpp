@@ -60,6 +60,8 @@ struct Dims {
 // time.
 template <int A, int X, int C, int M>
 struct Shape {
+  static constexpr int64_t kD = A > 0 && C > 0 ? A * C : 0;  // d and m, 0 where not constant
+  static constexpr int64_t kM = M;
   int64_t a_, x_, c_, m_;
   explicit Shape(const Dims& dd) : a_(dd.a), x_(dd.x), c_(dd.c), m_(dd.m) {}
   int64_t a() const {
@@ -124,6 +126,37 @@ inline void dot_d(const float* __restrict v, const float* __restrict q, float* _
     const float* __restrict qi = q + i * m;
 #pragma omp simd
     for (int64_t k = 0; k < m; ++k) out[k] += vi[k] * qi[k];
+  }
+}
+
+// The same for compile-time sizes, as four partial sums over d (rows i, i+1, i+2, i+3) added at
+// the end: four chains of multiply-adds side by side instead of one chain of d dependent ones
+template <int64_t D, int64_t M>
+inline void dot_d_fixed(const float* __restrict v, const float* __restrict q,
+                        float* __restrict out) {
+  constexpr int64_t P = 4;
+  float part[P][M];
+  for (int64_t p = 0; p < P; ++p) {
+#pragma omp simd
+    for (int64_t k = 0; k < M; ++k) part[p][k] = v[p * M + k] * q[p * M + k];
+  }
+  for (int64_t i = P; i < D; i += P) {
+    for (int64_t p = 0; p < P; ++p) {
+#pragma omp simd
+      for (int64_t k = 0; k < M; ++k) part[p][k] += v[(i + p) * M + k] * q[(i + p) * M + k];
+    }
+  }
+#pragma omp simd
+  for (int64_t k = 0; k < M; ++k) out[k] = (part[0][k] + part[1][k]) + (part[2][k] + part[3][k]);
+}
+
+template <class S>
+inline void dot_d(const float* __restrict v, const float* __restrict q, float* __restrict out,
+                  const S& sh) {
+  if constexpr (S::kD > 0 && S::kD % 4 == 0 && S::kM > 0) {
+    dot_d_fixed<S::kD, S::kM>(v, q, out);
+  } else {
+    dot_d(v, q, out, sh.d(), sh.m());
   }
 }
 
@@ -206,18 +239,38 @@ inline v16 lane_sums(v16* v) {
   return CAPSCTL_SHUFFLE(v[0], v[1], CAPSCTL_LO1) + CAPSCTL_SHUFFLE(v[0], v[1], CAPSCTL_HI1);
 }
 
-// grad_x for a 4x4 pose (a*x = 16) and c*m a multiple of 16: the 16 dot products of length c*m
-// accumulated lane-wise, then summed by one tree, gx[a, x] written as one vector.
+// The first n < 16 floats at p in a vector, the other lanes zero (n a compile-time constant
+// where it matters: the copy is then one masked or narrower load).
+inline v16 load_part(const float* p, int64_t n) {
+  v16 v = {};
+  __builtin_memcpy(&v, p, n * sizeof(float));
+  return v;
+}
+
+// grad_x for a 4x4 pose (a*x = 16) and a compile-time c*m: the 16 dot products of length c*m
+// accumulated lane-wise, then summed by one tree, gx[a, x] written as one vector. A last strip
+// of fewer than 16 columns (c*m = 40 for 10 parent types) is loaded zero-padded: summed lane by
+// lane as one reduction each, those 16 dot products were 70% of the routed backward pass of a
+// class capsule layer (a store-to-load stall per reduction).
 template <class S>
 inline void grad_x16(const float* __restrict wj, const float* __restrict gv,
                      float* __restrict gxa, const S& sh) {
   const int64_t cm = sh.cm();
   v16 acc[16] = {};
-  for (int64_t t = 0; t < cm; t += 16) {
+  int64_t t = 0;
+  for (; t + 16 <= cm; t += 16) {
     v16 w[4];
     for (int k = 0; k < 4; ++k) w[k] = load16(wj + k * cm + t);
     for (int a = 0; a < 4; ++a) {
       const v16 g = load16(gv + a * cm + t);
+      for (int k = 0; k < 4; ++k) acc[a * 4 + k] += g * w[k];
+    }
+  }
+  if (t < cm) {
+    v16 w[4];
+    for (int k = 0; k < 4; ++k) w[k] = load_part(wj + k * cm + t, cm - t);
+    for (int a = 0; a < 4; ++a) {
+      const v16 g = load_part(gv + a * cm + t, cm - t);
       for (int k = 0; k < 4; ++k) acc[a * 4 + k] += g * w[k];
     }
   }
@@ -270,7 +323,7 @@ struct VoteGrads {
     if constexpr (!kBlock) {
       const int64_t ax = sh.ax();
       if (gx != nullptr) {
-        if constexpr (A == 4 && X == 4 && C > 0 && M > 0 && (C * M) % 16 == 0) {
+        if constexpr (A == 4 && X == 4 && C > 0 && M > 0) {
           grad_x16(wj, g, gx + (j * nb + b) * ax, sh);
         } else {
           grad_x(wj, g, gx + (j * nb + b) * ax, sh);
@@ -360,7 +413,7 @@ void forward(const float* __restrict x, const float* __restrict w, const float* 
   float* __restrict lg = scratch.data() + BF * dm;
   auto start = [&](int64_t lo, int64_t hi) { std::fill(s + lo * dm, s + hi * dm, 0.f); };
   auto site = [&](int64_t j, int64_t b, const float*, const float* __restrict v) {
-    dot_d(v, pq + b * dm, lg, d, m);
+    dot_d(v, pq + b * dm, lg, sh);
     softmax(lg, m);
     float* __restrict rj = r + (j * dd.b + b) * m;
     for (int64_t k = 0; k < m; ++k) rj[k] = lg[k];
@@ -387,7 +440,7 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
     const float* __restrict rj = r + (j * dd.b + b) * m;
     const float* __restrict gqb = gq + b * dm;
     const float* __restrict pqb = pq + b * dm;
-    dot_d(v, gqb, dr, d, m);
+    dot_d(v, gqb, dr, sh);
     float dot = 0.f;
     for (int64_t k = 0; k < m; ++k) dot += rj[k] * dr[k];
     for (int64_t k = 0; k < m; ++k) da[k] = rj[k] * (dr[k] - dot);
@@ -435,7 +488,7 @@ void weighted_backward(const float* __restrict x, const float* __restrict w,
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
     const float* __restrict rj = r + (j * dd.b + b) * m;
     const float* __restrict gqb = gq + b * dm;
-    if (gr != nullptr) dot_d(v, gqb, gr + (j * dd.b + b) * m, d, m);
+    if (gr != nullptr) dot_d(v, gqb, gr + (j * dd.b + b) * m, sh);
     if (!vg.wanted()) return;
     float* __restrict gv = vg.slot(b);
     for (int64_t i = 0; i < d; ++i) {
@@ -517,7 +570,7 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
     const float* __restrict gsb = gs + b * dm;
     const float ab = act[b * nj + j];
     if (coef) {
-      dot_d(v, gsb, dmass, d, m);
+      dot_d(v, gsb, dmass, sh);
       float dot = 0.f, ga = 0.f;
       for (int64_t k = 0; k < m; ++k) {
         dmass[k] += gt[b * m + k];
