@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from capsctl.threads import short_omp_spin
 
-from capsctl.data.synthetic import write_random_cifar10
-from capsctl.memory import keep_freed_memory
-from capsctl.training import train_from_preset
-from capsctl.training.phases import PHASES
+short_omp_spin()  # before torch is imported, as the capsctl command does
+
+import torch  # noqa: E402
+
+from capsctl.data.synthetic import write_random_cifar10  # noqa: E402
+from capsctl.memory import keep_freed_memory  # noqa: E402
+from capsctl.training import train_from_preset  # noqa: E402
+from capsctl.training.phases import PHASES  # noqa: E402
 
 MODELS = ("resnet18", "cifar10-caps-simple", "cifar10-caps")
 STEPS = {"resnet18": 6, "cifar10-caps": 6}  # timed steps; other models: DEFAULT_STEPS
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "omp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),
         "batch_size": batch,
         "overrides": args.overrides,
         "runs": runs,
@@ -142,7 +148,8 @@ def render(report: dict[str, Any]) -> str:
     head = f"{'model':<22}{'steps':>6}{'images/s':>16}{'vs ' + ref:>16}"
     head += "".join(f"{p:>10}" for p in PHASES) + f"{'outside f/b':>13}"
     lines = [
-        f"training loop, batch {report['batch_size']}, {report['threads']} threads, torch "
+        f"training loop, batch {report['batch_size']}, {report['threads']} threads "
+        f"(GOMP_SPINCOUNT {report['omp_spincount']}), torch "
         f"{report['torch']}, {len(report['runs'])} repeats (min-max); phases: share of the epoch",
         head,
     ]

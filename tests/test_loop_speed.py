@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,12 @@ def test_dry_run_reports_speed_ratio_and_phase_shares(tmp_path: Path) -> None:
         text=True,
         timeout=600,
         cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report["runs"]) == 2
+    assert report["omp_spincount"] == "10000"  # set before torch is imported (capsctl/threads.py)
     ref, caps = report["summary"]
     assert ref["model"] == "resnet18" and ref["vs_ref"] == [1.0, 1.0]
     assert caps["model"] == "cifar10-caps-simple" and caps["steps"] == 2

@@ -52,8 +52,10 @@ def _main(
 ) -> None:
     _state["debug"] = debug or os.environ.get("CAPSCTL_DEBUG", "") not in ("", "0")
     from capsctl.memory import keep_freed_memory
+    from capsctl.threads import short_omp_spin
 
     keep_freed_memory()  # freed tensors' pages are reused, not faulted in again each step
+    short_omp_spin()  # before torch is imported: idle OpenMP threads sleep soon
 
 
 def main(argv: list[str] | None = None) -> None:
