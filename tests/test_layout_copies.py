@@ -108,3 +108,34 @@ def test_window_copy_and_its_gradient(
     strided = grad.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, strided
     (again,) = torch.autograd.grad(window_copy(t, k, s, child_major=child_major), t, strided)
     assert torch.allclose(again, expected, atol=1e-12)
+
+
+def _backbone_input(name: str, x: torch.Tensor) -> torch.Tensor:
+    from capsctl.config import build_model
+
+    model = build_model(name)
+    seen: list[torch.Tensor] = []
+    model.backbone.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(x)
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", ["cifar10-caps-simple", "cifar10-caps"])
+def test_a_capsule_network_runs_its_convolutions_channels_last_on_a_cpu(name: str) -> None:
+    x = torch.randn(2, 3, 32, 32)
+    seen = _backbone_input(name, x)
+    assert seen.is_contiguous(memory_format=torch.channels_last)
+    assert not seen.is_contiguous()
+    assert torch.equal(seen, x)
+
+
+def test_images_channels_last_leaves_other_shapes_and_devices_alone() -> None:
+    from capsctl.layers.layout import images_channels_last
+
+    x = torch.randn(2, 3, 8, 8)
+    assert images_channels_last(x).is_contiguous(memory_format=torch.channels_last)
+    flat = torch.randn(2, 3, 8)
+    assert images_channels_last(flat) is flat
+    meta = torch.empty(2, 3, 8, 8, device="meta")
+    assert images_channels_last(meta) is meta

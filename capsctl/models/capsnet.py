@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from capsctl.errors import ConfigError
 from capsctl.layers.algorithm import Capsules, LayerPlan, NetworkPlan, RoutingTrace
+from capsctl.layers.layout import images_channels_last
 from capsctl.layers.poses import pose_shape
 from capsctl.layers.routers.idpa import PerClassHead
 from capsctl.models.backbones import BACKBONE_CHANNELS, backbone_grid, build_backbone
@@ -172,7 +173,7 @@ class CapsNet(nn.Module):
 
     def class_capsules(self, x: Tensor, trace: RoutingTrace | None = None) -> Capsules:
         """The class capsules (poses ``[b, classes, d]``, activations ``[b, classes]`` or None)."""
-        caps = self.primary(self.backbone(x))
+        caps = self.primary(self.backbone(images_channels_last(x)))
         if trace is not None:
             n = len(self.capsules)
             trace.kinds = [layer.kind for layer in self.capsules]
