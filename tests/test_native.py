@@ -453,25 +453,27 @@ def test_the_library_is_built_once_into_the_cache(
 def test_a_change_to_any_source_builds_a_new_library(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
 ) -> None:
-    """The cache key covers every source built into the library, the LayerNorm's too: an
-    upgrade that changes only it must not load the old build."""
+    """The cache key covers every source built into the library, the LayerNorm's and the
+    shared header too: an upgrade that changes only one of them must not load the old build."""
     if native._compiler() is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     assert native.native_status().startswith("on")
-    copies = []
-    for source in native.SOURCES:
+    copies = {}
+    for source in (*native.SOURCES, *native.HEADERS):
         copy = tmp_path / "src" / source.name
         copy.parent.mkdir(exist_ok=True)
         copy.write_text(source.read_text())
-        copies.append(copy)
-    with copies[-1].open("a") as f:
-        f.write("// changed\n")
-    monkeypatch.setattr(native, "SOURCES", tuple(copies))
-    native._load.cache_clear()
-    assert native.native_status().startswith("on")
-    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 2
+        copies[source.name] = copy
+    monkeypatch.setattr(native, "SOURCES", tuple(copies[s.name] for s in native.SOURCES))
+    monkeypatch.setattr(native, "HEADERS", tuple(copies[h.name] for h in native.HEADERS))
+    for n, changed in enumerate(("layer_norm.cpp", "simd16.h"), start=2):
+        with copies[changed].open("a") as f:
+            f.write("// changed\n")
+        native._load.cache_clear()
+        assert native.native_status().startswith("on")
+        assert len(list((tmp_path / "cache" / "kernels").iterdir())) == n, changed
 
 
 def _cpu_has_avx512() -> bool:

@@ -56,6 +56,8 @@ NATIVE_ENV = "CAPSCTL_NATIVE"
 CACHE_ENV = "CAPSCTL_CACHE"
 #: The sources built into the one library: the vote-sized passes and the poses' LayerNorm.
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("routing_kernels.cpp", "layer_norm.cpp"))
+#: The header they include (part of the cache key, not compiled on its own).
+HEADERS = (Path(__file__).with_name("simd16.h"),)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -140,7 +142,8 @@ def _build(cxx: str) -> Path:
         [cxx, "--version"], capture_output=True, text=True, timeout=60, check=False
     ).stdout
     digest = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(build_flags()).encode()):
+    sources = (*SOURCES, *HEADERS)
+    for part in (*(s.read_bytes() for s in sources), " ".join(build_flags()).encode()):
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_key().encode())
