@@ -31,6 +31,7 @@ LAYERS = [
             "capsctl.devices",
             "capsctl.version",
             "capsctl.memory",
+            "capsctl.threads",
         ],
     ),
     ("layers", ["capsctl.layers"]),
