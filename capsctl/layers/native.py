@@ -72,7 +72,7 @@ FLAGS = (
 # pass of 16-d pose vectors took 47-53 ms (forward) and 226-231 ms (backward) that way,
 # 40 and 128-134 ms with 512-bit vectors.
 X86_FLAGS = ("-mprefer-vector-width=512",)
-ABI = 5
+ABI = 6
 COMPILE_TIMEOUT_S = 300
 
 _STATE = {"off": 0}  # open native_disabled() blocks
@@ -204,6 +204,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.capsctl_layer_norm_forward.restype = None
     lib.capsctl_layer_norm_backward.argtypes = [_PTR] * 7 + [_I64] * 3
     lib.capsctl_layer_norm_backward.restype = None
+    lib.capsctl_layer_norm_forward_layout.argtypes = (
+        [_PTR] * 6
+        + [_I64] * 3
+        + [
+            ctypes.c_float,
+            _I64,
+            _I64,
+        ]
+    )
+    lib.capsctl_layer_norm_forward_layout.restype = None
+    lib.capsctl_layer_norm_backward_layout.argtypes = [_PTR] * 7 + [_I64] * 5
+    lib.capsctl_layer_norm_backward_layout.restype = None
     return lib
 
 

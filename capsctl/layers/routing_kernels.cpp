@@ -800,7 +800,7 @@ extern "C" {
 // 16-d pose vectors where gx is wanted; may be null otherwise), and the calling thread's
 // weight-gradient accumulator as its last pointer (zeroed by the loops).
 // Version of the functions' signatures; native.py refuses a library that reports another.
-int capsctl_kernels_abi() { return 5; }
+int capsctl_kernels_abi() { return 6; }
 
 void capsctl_routed_forward(const float* x, const float* w, const float* pq, float* s, float* r,
                             int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,

@@ -1,0 +1,152 @@
+"""4x4 matrix poses held rows-first, and the capsules' LayerNorm that reads one layout and
+writes the other.
+
+A grid of 4x4 poses has two layouts here (letters as in capsctl/layers/routing.py):
+
+- standard ``[b, *grid, n, d]``: each pose's 16 numbers together (capsctl/layers/capsules.py);
+- rows-first ``[b, a, *grid, n, x]``: the pose row ``a`` next to the batch, what a conv capsule
+  layer's uniform pass reads and writes (one convolution over every pose row,
+  :meth:`~capsctl.layers.capsules.ConvCapsules.uniform_sum`).
+
+Between the two is a copy of every pose, forward and backward: 67 MB each way for the primary
+capsules of ``cifar10-caps-simple`` at batch 128. The LayerNorm after each capsule layer reads
+and writes every pose anyway, so its compiled loops (capsctl/layers/layer_norm.cpp) read one
+layout and write the other in the same pass, and the copies disappear: the inverted dot-product
+attention schedule (capsctl/layers/routers/idpa.py) keeps the poses rows-first between the
+layers whose only readers are uniform passes. Same math, same numbers as the standard layout's
+LayerNorm (tested against :class:`torch.nn.LayerNorm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from capsctl.layers import native
+from capsctl.layers.chunks import run_spans, site_spans, site_workers
+from capsctl.layers.layout import permute_rows
+from capsctl.layers.pose_norm import pose_layer_norm
+from capsctl.layers.routing import _DENSE
+
+__all__ = ["layout_layer_norm", "rows_shape", "standard_shape", "to_rows", "to_standard"]
+
+SIDE = 4  # a = x = 4: the compiled loops' poses (d = 16)
+_BLOCK = 16  # capsules per block of the loops
+_MIN_ROWS_PER_THREAD = 4096
+
+
+def rows_shape(shape: Sequence[int], rows: int) -> tuple[int, ...]:
+    """``[b, *grid, n, a*x]`` -> ``[b, a, *grid, n, x]`` for poses of ``a = rows`` rows."""
+    return (shape[0], rows, *shape[1:-1], shape[-1] // rows)
+
+
+def standard_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """``[b, a, *grid, n, x]`` -> ``[b, *grid, n, a*x]``."""
+    return (shape[0], *shape[2:-1], shape[1] * shape[-1])
+
+
+def to_rows(t: Tensor, rows: int) -> Tensor:
+    """Standard ``[b, *grid, n, d]`` -> a rows-first copy ``[b, a, *grid, n, x]``."""
+    k = t.dim()
+    split = t.reshape(*t.shape[:-1], rows, t.shape[-1] // rows)  # [b, *grid, n, a, x]
+    return permute_rows(split, (0, k - 1, *range(1, k - 1), k))  # [b, a, *grid, n, x]
+
+
+def to_standard(t: Tensor) -> Tensor:
+    """Rows-first ``[b, a, *grid, n, x]`` -> a standard copy ``[b, *grid, n, a*x]``."""
+    k = t.dim()
+    out = permute_rows(t, (0, *range(2, k - 1), 1, k - 1))  # [b, *grid, n, a, x]
+    return out.reshape(standard_shape(t.shape))  # [b, *grid, n, d]
+
+
+def _spans(rows: int, like: Tensor) -> list[tuple[int, int]]:
+    """Spans of whole blocks, one per thread."""
+    workers = max(1, min(site_workers(like), rows // _MIN_ROWS_PER_THREAD))
+    per = -(-rows // workers)
+    return site_spans(rows, -(-per // _BLOCK) * _BLOCK, workers)
+
+
+class _LayoutLayerNorm(torch.autograd.Function):
+    """``x`` (standard or rows-first, contiguous; ``sites`` capsules per batch element) ->
+    the LayerNorm of each pose in the other (or the same) layout; saves ``x``, the poses' means
+    and reciprocal standard deviations."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, w: Tensor, b: Tensor, eps: float, sites: int, rows_in: bool, rows_out: bool
+    ) -> Tensor:
+        count = x.numel() // (SIDE * SIDE)
+        shape = x.shape
+        if rows_in != rows_out:
+            shape = torch.Size(standard_shape(shape) if rows_in else rows_shape(shape, SIDE))
+        y = x.new_empty(shape)
+        mean, rstd = x.new_empty(count), x.new_empty(count)
+        fn = native.library().capsctl_layer_norm_forward_layout
+        ptrs = [t.data_ptr() for t in (x, w.contiguous(), b.contiguous(), y, mean, rstd)]
+
+        def part(_: int, r0: int, r1: int) -> None:
+            fn(*ptrs, sites, int(rows_in), int(rows_out), eps, r0, r1)
+
+        run_spans(part, _spans(count, x))
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.layout = (sites, int(rows_in), int(rows_out))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, w, mean, rstd = ctx.saved_tensors
+        gy = gy.contiguous()
+        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        spans = _spans(mean.numel(), x)
+        accs = [x.new_zeros(2, SIDE * SIDE, dtype=torch.float64) for _ in spans]  # [gw; gb]
+        fn = native.library().capsctl_layer_norm_backward_layout
+        ptrs = [t.data_ptr() for t in (x, w.contiguous(), mean, rstd, gy)]
+        gx_ptr = None if gx is None else gx.data_ptr()
+
+        def part(i: int, r0: int, r1: int) -> None:
+            fn(*ptrs, gx_ptr, accs[i].data_ptr(), *ctx.layout, r0, r1)
+
+        run_spans(part, spans)
+        acc = torch.stack(accs).sum(0).to(x.dtype)  # [2, d], threads added in a fixed order
+        return gx, acc[0], acc[1], None, None, None, None
+
+
+def _compiled(x: Tensor, norm: nn.Module, sites: int, rows: int, d: int) -> bool:
+    return (
+        rows == SIDE
+        and d == SIDE * SIDE
+        and isinstance(norm, nn.LayerNorm)
+        and tuple(norm.normalized_shape) == (d,)
+        and norm.weight is not None
+        and norm.bias is not None
+        and sites % _BLOCK == 0
+        and x.numel() > 0
+        and not _DENSE["on"]
+        and native.usable(x, norm.weight, norm.bias)
+    )
+
+
+def layout_layer_norm(
+    x: Tensor, norm: nn.Module, *, rows_in: bool, rows_out: bool, rows: int
+) -> Tensor:
+    """``norm`` over each pose of ``x`` (rows-first ``[b, a, *grid, n, x]`` if ``rows_in``, else
+    standard ``[b, *grid, n, d]``; ``a = rows``), returned rows-first if ``rows_out``, else
+    standard.
+
+    One pass of the compiled loops where they run (4x4 poses, a LayerNorm with weight and bias,
+    float32 on a CPU, sites a multiple of 16); elsewhere the layout copies around
+    :func:`~capsctl.layers.pose_norm.pose_layer_norm`."""
+    sites = math.prod(x.shape[2:-1] if rows_in else x.shape[1:-1])
+    d = x.shape[1] * x.shape[-1] if rows_in else x.shape[-1]
+    if _compiled(x, norm, sites, rows, d):
+        out: Tensor = _LayoutLayerNorm.apply(
+            x.contiguous(), norm.weight, norm.bias, norm.eps, sites, rows_in, rows_out
+        )
+        return out
+    y = pose_layer_norm(to_standard(x) if rows_in else x, norm)
+    return to_rows(y, rows) if rows_out else y
