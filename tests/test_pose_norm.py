@@ -100,10 +100,12 @@ def test_capsule_layers_normalize_through_the_loops(monkeypatch: pytest.MonkeyPa
     """The primary capsules' and every capsule layer's LayerNorm of cifar10-caps-simple."""
     _require_native()
     from capsctl.config import build_model, resolve_config
+    from capsctl.layers.rows_first import _LayoutLayerNorm
 
     calls = []
-    real = _PoseLayerNorm.apply
-    monkeypatch.setattr(_PoseLayerNorm, "apply", lambda *a: calls.append(a[0].shape) or real(*a))
+    for fn in (_PoseLayerNorm, _LayoutLayerNorm):
+        real = fn.apply
+        monkeypatch.setattr(fn, "apply", lambda *a, real=real: calls.append(a[0].shape) or real(*a))
     model = build_model(resolve_config("cifar10-caps-simple"))
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]

@@ -198,6 +198,19 @@ class RoutingAlgorithm:
         raise NotImplementedError
 
     # -- running ---------------------------------------------------------------------------
+    def run_features(
+        self,
+        primary: nn.Module,
+        layers: Sequence[nn.Module],
+        feats: Tensor,
+        iterations: int,
+        schedule: str,
+        trace: RoutingTrace | None,
+    ) -> Capsules:
+        """The class capsules from the backbone's features ``feats[b, C, H, W]``: the primary
+        capsules, then :meth:`run`."""
+        return self.run(layers, primary(feats), iterations, schedule, trace)
+
     def run(
         self,
         layers: Sequence[nn.Module],

@@ -29,6 +29,7 @@ from capsctl.layers.layout import permute_rows, to_channels_last, window_copy
 from capsctl.layers.pose_norm import pose_layer_norm
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routing import routed_pass
+from capsctl.layers.rows_first import layout_layer_norm, to_standard
 
 
 def routed_pass_in_float32(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -56,6 +57,14 @@ class PrimaryCapsules(nn.Module):
         y = self.conv(to_channels_last(feats))  # [b, n*d, h, w]
         y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
         return pose_layer_norm(y, self.norm)
+
+    def rows_first(self, feats: Tensor, rows: int) -> Tensor:
+        """The poses of :meth:`forward` rows-first, ``[b, a, h, w, n, x]`` for poses of ``a =
+        rows`` rows (the LayerNorm writes them so, capsctl/layers/rows_first.py)."""
+        b, _, h, w = feats.shape
+        y = self.conv(to_channels_last(feats))  # [b, n*d, h, w]
+        y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
+        return layout_layer_norm(y, self.norm, rows_in=False, rows_out=True, rows=rows)
 
 
 class PrimaryCapsulesWithActivations(PrimaryCapsules):
@@ -145,16 +154,30 @@ class CapsuleLayer(nn.Module):
     def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def uniform(self, child: Tensor) -> Tensor:
-        """First pass, every coefficient ``1/m``, then dropout and LayerNorm: parent poses."""
-        return self.finish(self.uniform_sum(child))
+    def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
+        """First pass, every coefficient ``1/m``, then dropout and LayerNorm: parent poses.
+        ``rows_in``/``rows_out``: the children are / the parents come back rows-first (4x4
+        poses, capsctl/layers/rows_first.py)."""
+        s = self.uniform_sum(to_standard(child) if rows_in else child)
+        return self.finish_layout(s, rows_in=False, rows_out=rows_out)
 
-    def route(self, child: Tensor, parent: Tensor) -> tuple[Tensor, Tensor]:
+    def route(
+        self, child: Tensor, parent: Tensor, *, rows_in: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """Routed pass against the parent poses of the previous iteration; returns the new
         parent poses (after dropout and LayerNorm) and the coefficients (``[b, n, m]`` for FC
-        layers, ``[b, h, w, k, l, n, m]`` for conv layers)."""
-        s, r = self.routed_sum(child, parent, self.scale)
+        layers, ``[b, h, w, k, l, n, m]`` for conv layers). ``rows_in``: the children are
+        rows-first."""
+        s, r = self.routed_sum(to_standard(child) if rows_in else child, parent, self.scale)
         return self.finish(s), r
+
+    def finish_layout(self, s: Tensor, *, rows_in: bool, rows_out: bool) -> Tensor:
+        """:meth:`finish` of sums ``s`` rows-first if ``rows_in``; the poses rows-first if
+        ``rows_out``."""
+        if not rows_in and not rows_out:
+            return self.finish(s)
+        s = self.dropout(s)
+        return layout_layer_norm(s, self.norm, rows_in=rows_in, rows_out=rows_out, rows=self.rows)
 
 
 class FCCapsules(CapsuleLayer):
@@ -185,31 +208,65 @@ class FCCapsules(CapsuleLayer):
     def _children(self, child: Tensor) -> Tensor:
         b = child.shape[0]
         flat = child.reshape(b, -1, self.in_dim)  # [b, n, d_in] (a grid flattens as (h, w, n))
-        if flat.shape[1] != self.in_types:
+        self._check_count(flat.shape[1])
+        return flat
+
+    def _check_count(self, got: int) -> None:
+        if got != self.in_types:
             raise ValueError(
-                f"FC capsule layer expects {self.in_types} child capsules, got {flat.shape[1]}"
+                f"FC capsule layer expects {self.in_types} child capsules, got {got}"
                 " (was the model built for another input size?)"
             )
-        return flat
+
+    def _rows_children(self, child: Tensor) -> Tensor:
+        """Rows-first children ``[b, a, *grid, n, x]`` as ``[b, a, n, x]`` (a view)."""
+        b = child.shape[0]
+        rows = child.reshape(b, self.rows, -1, self.cols_in)  # [b, a, n, x]
+        self._check_count(rows.shape[2])
+        return rows
 
     def uniform_sum(self, child: Tensor) -> Tensor:
         """``S = sum_i V_ij / m`` (every coefficient ``1/m``): one matrix product."""
         x = self._children(child)
         b = x.shape[0]
+        xm = x.view(b, self.in_types, self.rows, self.cols_in).transpose(1, 2)  # [b, a, n, x]
+        return self._uniform_rows(xm)
+
+    def _uniform_rows(self, xm: Tensor) -> Tensor:
+        """:meth:`uniform_sum` of the children ``xm[b, a, n, x]`` (any strides)."""
+        b = xm.shape[0]
         n, m, a = self.in_types, self.out_types, self.rows
-        xm = x.view(b, n, a, self.cols_in).transpose(1, 2)  # [b, a, n, x]
         wm = self.weight.reshape(n * self.cols_in, m * self.cols_out)  # [n*x, m*c]
         s = xm.reshape(b * a, n * self.cols_in) @ wm  # [b*a, n*x] @ [n*x, m*c] -> [b*a, m*c]
         s = s.view(b, a, m, self.cols_out).transpose(1, 2)  # [b, m, a, c]
         return s.reshape(b, m, self.out_dim) * (1.0 / m)  # [b, m, d]
+
+    def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
+        if not rows_in:
+            return super().uniform(child, rows_out=rows_out)
+        s = self._uniform_rows(self._rows_children(child))  # [b, m, d]
+        return self.finish_layout(s, rows_in=False, rows_out=rows_out)
+
+    def route(
+        self, child: Tensor, parent: Tensor, *, rows_in: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        if not rows_in:
+            return super().route(child, parent)
+        xj = self._rows_children(child).permute(2, 0, 1, 3)  # [J=n, B=b, a, x]
+        s, r = self._routed_children(xj, parent, self.scale)
+        return self.finish(s), r
 
     def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """``S_j = sum_i R_ij V_ij`` with ``R_ij = softmax_j(scale * <V_ij, Q_j>)`` for queries
         ``Q[b, m, d]``: ``S[b, m, d]`` (no dropout, no LayerNorm) and ``R[b, n, m]``."""
         x = self._children(child)
         b = x.shape[0]
-        n, m, a = self.in_types, self.out_types, self.rows
-        xj = x.view(b, n, a, self.cols_in).permute(1, 0, 2, 3)  # [J=n, B=b, a, x]
+        xj = x.view(b, self.in_types, self.rows, self.cols_in).permute(1, 0, 2, 3)  # [J, B, a, x]
+        return self._routed_children(xj, query, scale)
+
+    def _routed_children(self, xj: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """:meth:`routed_sum` of the children ``xj[J=n, B=b, a, x]`` (any strides)."""
+        b, m, a = xj.shape[1], self.out_types, self.rows
         p = query.reshape(b, m, a, self.cols_out)  # [B=b, m, a, c]
         s, r = routed_pass_in_float32(xj, self.weight, p, scale)  # [b, m, a, c], [n, b, m]
         return s.reshape(b, m, self.out_dim), r.permute(1, 0, 2)  # [b, m, d], [b, n, m]
@@ -270,11 +327,18 @@ class ConvCapsules(CapsuleLayer):
         is transposed once into the convolution's layout.
         """
         b, hh, ww, n, _ = child.shape
-        a, xd, m, c = self.rows, self.cols_in, self.out_types, self.cols_out
-        k = self.kernel
-        inp = child.view(b, hh, ww, n, a, xd)  # [b, H, W, n, a, x]
-        inp = permute_rows(inp, (0, 4, 1, 2, 3, 5))  # [b, a, H, W, n, x]
-        inp = inp.view(b * a, hh, ww, n * xd).permute(0, 3, 1, 2)  # [b*a, n*x, H, W] (NHWC)
+        inp = child.view(b, hh, ww, n, self.rows, self.cols_in)  # [b, H, W, n, a, x]
+        y = self._uniform_rows(permute_rows(inp, (0, 4, 1, 2, 3, 5)))  # [b, a, h, w, m, c]
+        h, w = y.shape[2:4]
+        y = permute_rows(y, (0, 2, 3, 4, 1, 5))  # [b, h, w, m, a, c]
+        return y.view(b, h, w, self.out_types, self.out_dim)  # [b, h, w, m, d]
+
+    def _uniform_rows(self, child: Tensor) -> Tensor:
+        """:meth:`uniform_sum` rows-first: children ``[b, a, H, W, n, x]`` (contiguous) ->
+        sums ``[b, a, h, w, m, c]``."""
+        b, a, hh, ww, n, xd = child.shape
+        m, c, k = self.out_types, self.cols_out, self.kernel
+        inp = child.view(b * a, hh, ww, n * xd).permute(0, 3, 1, 2)  # [b*a, n*x, H, W] (NHWC)
         # the weight in the convolution's channels-last layout, [m*c, (k, l, n, x)] in memory: a
         # transposed copy, made once here (else the convolution copies it in the forward and
         # again in the backward pass, element by element: 12 ms each for a 3x3 layer of 512)
@@ -282,9 +346,17 @@ class ConvCapsules(CapsuleLayer):
         wconv = wt.view(m * c, k, k, n * xd).permute(0, 3, 1, 2)  # [m*c, n*x, k, l] (NHWC)
         y = F.conv2d(inp, wconv, stride=self.stride)  # [b*a, m*c, h, w]
         h, w = y.shape[-2:]
-        y = y.permute(0, 2, 3, 1).reshape(b, a, h, w, m, c)  # [b, a, h, w, m, c]
-        y = permute_rows(y, (0, 2, 3, 4, 1, 5))  # [b, h, w, m, a, c]
-        return y.view(b, h, w, m, self.out_dim)  # [b, h, w, m, d]
+        return y.permute(0, 2, 3, 1).reshape(b, a, h, w, m, c)  # [b, a, h, w, m, c]
+
+    def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
+        """The uniform pass rows-first (:meth:`_uniform_rows`), its LayerNorm writing the
+        parents in the layout asked for: no copy of the sums (capsctl/layers/rows_first.py)."""
+        if not rows_in:
+            b, hh, ww, n, _ = child.shape
+            inp = child.view(b, hh, ww, n, self.rows, self.cols_in)  # [b, H, W, n, a, x]
+            child = permute_rows(inp, (0, 4, 1, 2, 3, 5))  # [b, a, H, W, n, x]
+        s = self._uniform_rows(child.contiguous())  # [b, a, h, w, m, c]
+        return self.finish_layout(s, rows_in=True, rows_out=rows_out)
 
     def _windows(self, child: Tensor) -> tuple[Tensor, int, int]:
         """Child poses of every window as ``X[J=(k,l,n), B=(b,h,w), a, x]`` (inside

@@ -173,7 +173,7 @@ class CapsNet(nn.Module):
 
     def class_capsules(self, x: Tensor, trace: RoutingTrace | None = None) -> Capsules:
         """The class capsules (poses ``[b, classes, d]``, activations ``[b, classes]`` or None)."""
-        caps = self.primary(self.backbone(images_channels_last(x)))
+        feats = self.backbone(images_channels_last(x))  # [b, C, H, W]
         if trace is not None:
             n = len(self.capsules)
             trace.kinds = [layer.kind for layer in self.capsules]
@@ -182,7 +182,10 @@ class CapsNet(nn.Module):
             trace.poses = [[] for _ in range(n)]
             trace.activations = [[] for _ in range(n)]
             trace.algorithm = self.algorithm.name
-        return self.algorithm.run(list(self.capsules), caps, self.iterations, self.routing, trace)
+        layers = list(self.capsules)
+        return self.algorithm.run_features(
+            self.primary, layers, feats, self.iterations, self.routing, trace
+        )
 
     def class_poses(self, x: Tensor, trace: RoutingTrace | None = None) -> Tensor | None:
         """The class capsules' poses ``[b, classes, d]`` (None for an algorithm whose class

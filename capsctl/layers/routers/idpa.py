@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from capsctl.layers import native
 from capsctl.layers.algorithm import (
     Capsules,
     LayerPlan,
@@ -27,6 +28,8 @@ from capsctl.layers.algorithm import (
     RoutingTrace,
 )
 from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules, PrimaryCapsules
+from capsctl.layers.routing import _DENSE
+from capsctl.layers.rows_first import SIDE
 
 
 @dataclass
@@ -131,6 +134,23 @@ class InvertedDotProductAttention(RoutingAlgorithm):
     def make_head(self, dim: int, plan: NetworkPlan) -> nn.Module:
         return SharedHead(dim) if plan.head == "shared" else PerClassHead(plan.num_classes, dim)
 
+    def run_features(
+        self,
+        primary: nn.Module,
+        layers: Sequence[nn.Module],
+        feats: Tensor,
+        iterations: int,
+        schedule: str,
+        trace: RoutingTrace | None,
+    ) -> Capsules:
+        rows = None
+        if schedule == "concurrent" and trace is None:
+            rows = rows_first_plan(primary, layers, iterations, feats)
+        if rows is None:
+            return super().run_features(primary, layers, feats, iterations, schedule, trace)
+        child = primary.rows_first(feats, SIDE) if rows[0] else primary(feats).poses
+        return Capsules(_concurrent(layers, child, iterations, None, rows))
+
     def run(
         self,
         layers: Sequence[nn.Module],
@@ -144,13 +164,53 @@ class InvertedDotProductAttention(RoutingAlgorithm):
         return Capsules(_concurrent(layers, caps.poses, iterations, trace))
 
 
+def _routed(i: int, big_l: int, big_t: int) -> bool:
+    """Whether layer ``i`` (0-based) of ``big_l`` has a routed pass that reaches the output
+    under the concurrent schedule of ``big_t`` iterations (pass t of layer i+1 does if
+    ``t <= T - (L - (i+1))``)."""
+    return big_t - (big_l - (i + 1)) >= 2
+
+
+def rows_first_plan(
+    primary: nn.Module, layers: Sequence[nn.Module], big_t: int, feats: Tensor
+) -> list[bool] | None:
+    """For the concurrent schedule without a trace: which poses (the primary capsules', then
+    each layer's output) travel rows-first (capsctl/layers/rows_first.py), or None where none
+    would. Poses go rows-first when their readers are uniform passes and FC routed passes
+    only: a conv layer's routed pass reads windows of standard poses, and the query of a routed
+    pass is standard. 4x4 poses, LayerNorm, float32 on a CPU only (elsewhere the layout copies
+    would come back)."""
+    caps = [primary, *layers]
+    if not isinstance(primary, LayerNormPrimary) or primary.dim != SIDE * SIDE:
+        return None
+    if not all(isinstance(m.norm, nn.LayerNorm) for m in caps):
+        return None
+    if not all(isinstance(m, CapsuleLayer) and m.rows == m.cols_in == SIDE for m in layers):
+        return None
+    if _DENSE["on"] or not native.usable(feats, primary.conv.weight):
+        return None  # export's and compile's plain ops, other devices and dtypes
+    big_l = len(layers)
+    rows = [
+        (layer.kind == "fc" or not _routed(i, big_l, big_t))
+        and (i == 0 or not _routed(i - 1, big_l, big_t))
+        for i, layer in enumerate(layers)
+    ]
+    return [*rows, False] if any(rows) else None
+
+
 def _concurrent(
-    layers: Sequence[nn.Module], child: Tensor, big_t: int, trace: RoutingTrace | None
+    layers: Sequence[nn.Module],
+    child: Tensor,
+    big_t: int,
+    trace: RoutingTrace | None,
+    rows: Sequence[bool] | None = None,
 ) -> Tensor:
     """Iteration 1 is one uniform bottom-up pass; every later iteration updates all layers at
     once from the poses of the previous iteration. Passes that cannot reach the output are
-    skipped unless a trace is requested."""
+    skipped unless a trace is requested. ``rows[i]``: the ``i``-th poses (0: the children
+    ``child``) are rows-first (:func:`rows_first_plan`)."""
     big_l = len(layers)
+    rows = rows if rows is not None else [False] * (big_l + 1)
 
     def record(i: int, pose: Tensor, coeff: Tensor) -> None:
         if trace is not None:
@@ -159,7 +219,7 @@ def _concurrent(
 
     poses: list[Tensor] = [child]
     for i, layer in enumerate(layers):
-        poses.append(layer.uniform(poses[-1]))
+        poses.append(layer.uniform(poses[-1], rows_in=rows[i], rows_out=rows[i + 1]))
         if trace is not None:
             record(i, poses[-1], layer.uniform_coefficients(poses[-2]))
     for t in range(2, big_t + 1):
@@ -168,7 +228,7 @@ def _concurrent(
             # Pass t of layer i+1 (1-based) reaches the output only if t <= T - (L - (i+1)).
             if trace is None and t > big_t - (big_l - (i + 1)):
                 continue
-            new[i + 1], coeff = layer.route(poses[i], poses[i + 1])
+            new[i + 1], coeff = layer.route(poses[i], poses[i + 1], rows_in=rows[i])
             record(i, new[i + 1], coeff)
         poses = new
     return poses[-1]
