@@ -252,7 +252,7 @@ class FCCapsules(CapsuleLayer):
     ) -> tuple[Tensor, Tensor]:
         if not rows_in:
             return super().route(child, parent)
-        xj = self._rows_children(child).permute(2, 0, 1, 3)  # [J=n, B=b, a, x]
+        xj = permute_rows(self._rows_children(child), (2, 0, 1, 3))  # [J=n, B=b, a, x]
         s, r = self._routed_children(xj, parent, self.scale)
         return self.finish(s), r
 
@@ -261,7 +261,8 @@ class FCCapsules(CapsuleLayer):
         ``Q[b, m, d]``: ``S[b, m, d]`` (no dropout, no LayerNorm) and ``R[b, n, m]``."""
         x = self._children(child)
         b = x.shape[0]
-        xj = x.view(b, self.in_types, self.rows, self.cols_in).permute(1, 0, 2, 3)  # [J, B, a, x]
+        xj = x.view(b, self.in_types, self.rows, self.cols_in)  # [b, n, a, x]
+        xj = permute_rows(xj, (1, 0, 2, 3))  # [J=n, B=b, a, x]
         return self._routed_children(xj, query, scale)
 
     def _routed_children(self, xj: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
