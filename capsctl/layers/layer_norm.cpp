@@ -28,35 +28,110 @@ struct Row {
   }
 };
 
-// Rows of 16 a block of 16 rows at a time: the block's 16 sums, then its 16 sums of squared
-// deviations, each as one vector by the shuffle tree (simd16.h), instead of two horizontal
-// reductions per row one after the other (the forward pass of the primary capsules' million
-// rows was bound by them, not by memory). Returns the first row it left to the row loop.
+// -- 4x4 matrix poses held rows-first ------------------------------------------------------------
+// Poses of d = 16 = a*x (a = x = 4) in one of two layouts, capsule r = g*S + s of G groups (the
+// batch) of S capsules (sites and types):
+//   standard    [G, S, a, x]:  row a of capsule r at r*16 + a*4
+//   rows-first  [G, a, S, x]:  row a of capsule r at (g*4 + a)*S*4 + s*4
+// Rows-first is what a conv capsule layer's uniform pass reads and writes (the pose row next to
+// the batch: one convolution for every row, capsctl/layers/capsules.py); the loops below read
+// one layout and write the other (or the same) in their single pass, so the layout copy before
+// and after the LayerNorm costs nothing. A block is 16 consecutive capsules of one group
+// (S % 16 == 0, blocks aligned to 16: checked by the caller, capsctl/layers/rows_first.py).
+
+// The 4x4 transpose of four vectors seen as 4x4 blocks of 4 floats: out[j] block i = in[i]
+// block j. Rows-first memory holds, per row a, four capsules' rows in one vector; the
+// transpose turns four such vectors into the four capsules' poses, and back.
+// Blocks of 4 lanes: a's 0, b's 0, a's 1, b's 1 (and a's 2, b's 2, a's 3, b's 3).
+#define CAPSCTL_BLOCKS01 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23
+#define CAPSCTL_BLOCKS23 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31
+inline void transpose_blocks(v16* p) {
+  const v16 t0 = CAPSCTL_SHUFFLE(p[0], p[1], CAPSCTL_BLOCKS01);
+  const v16 t1 = CAPSCTL_SHUFFLE(p[0], p[1], CAPSCTL_BLOCKS23);
+  const v16 t2 = CAPSCTL_SHUFFLE(p[2], p[3], CAPSCTL_BLOCKS01);
+  const v16 t3 = CAPSCTL_SHUFFLE(p[2], p[3], CAPSCTL_BLOCKS23);
+  p[0] = CAPSCTL_SHUFFLE(t0, t2, CAPSCTL_LO8);
+  p[1] = CAPSCTL_SHUFFLE(t0, t2, CAPSCTL_HI8);
+  p[2] = CAPSCTL_SHUFFLE(t1, t3, CAPSCTL_LO8);
+  p[3] = CAPSCTL_SHUFFLE(t1, t3, CAPSCTL_HI8);
+}
+
+// The 16 poses from capsule r on into pose[16], from either layout (rows-first: r % 16 == 0).
+template <bool Rows>
+inline void load_block(const float* __restrict t, int64_t sites, int64_t r, v16* pose) {
+  if constexpr (!Rows) {
+    for (int i = 0; i < 16; ++i) pose[i] = load16(t + (r + i) * 16);
+  } else {
+    const int64_t g = r / sites, s = r - g * sites;
+    const float* base = t + g * 16 * sites + s * 4;  // row 0 of capsule r
+    for (int q = 0; q < 4; ++q) {                     // capsules r + 4q .. r + 4q + 3
+      for (int a = 0; a < 4; ++a) pose[4 * q + a] = load16(base + a * 4 * sites + q * 16);
+      transpose_blocks(pose + 4 * q);
+    }
+  }
+}
+
+// pose[16] (clobbered) to the block at capsule r of either layout.
+template <bool Rows>
+inline void store_block(float* __restrict t, int64_t sites, int64_t r, v16* pose) {
+  if constexpr (!Rows) {
+    for (int i = 0; i < 16; ++i) __builtin_memcpy(t + (r + i) * 16, &pose[i], sizeof(v16));
+  } else {
+    const int64_t g = r / sites, s = r - g * sites;
+    float* base = t + g * 16 * sites + s * 4;
+    for (int q = 0; q < 4; ++q) {
+      transpose_blocks(pose + 4 * q);
+      for (int a = 0; a < 4; ++a)
+        __builtin_memcpy(base + a * 4 * sites + q * 16, &pose[4 * q + a], sizeof(v16));
+    }
+  }
+}
+
+// One block of 16 poses from capsule r on: the block's 16 sums, then its 16 sums
+// of squared deviations, each as one vector by the shuffle tree (simd16.h), instead of two
+// horizontal reductions per pose one after the other (the forward pass of the primary capsules'
+// million poses was bound by them, not by memory). x in layout InRows, y in OutRows.
+template <bool InRows, bool OutRows>
+inline void ln_block(const float* __restrict x, v16 wv, v16 bv, float* __restrict y,
+                     float* __restrict mean, float* __restrict rstd, int64_t sites, float eps,
+                     int64_t r) {
+  v16 row[16], t[16];
+  load_block<InRows>(x, sites, r, row);
+  for (int i = 0; i < 16; ++i) t[i] = row[i];
+  const v16 mu = lane_sums(t) * (1.f / 16.f);  // lane i: the mean of capsule r + i
+  for (int i = 0; i < 16; ++i) {
+    row[i] -= mu[i];
+    t[i] = row[i] * row[i];
+  }
+  const v16 var = lane_sums(t) * (1.f / 16.f);
+  float rs[16];
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) rs[i] = 1.f / std::sqrt(var[i] + eps);
+  for (int i = 0; i < 16; ++i) row[i] = row[i] * rs[i] * wv + bv;
+  store_block<OutRows>(y, sites, r, row);
+  __builtin_memcpy(mean + r, &mu, sizeof mu);
+  __builtin_memcpy(rstd + r, rs, sizeof rs);
+}
+
+// Standard rows of 16 from any row r0: whole blocks, then returns the first row it left to the
+// row loop.
 int64_t ln_forward16(const float* __restrict x, const float* __restrict w,
                      const float* __restrict b, float* __restrict y, float* __restrict mean,
                      float* __restrict rstd, float eps, int64_t r0, int64_t r1) {
   const v16 wv = load16(w), bv = load16(b);
   int64_t r = r0;
-  for (; r + 16 <= r1; r += 16) {
-    v16 row[16], t[16];
-    for (int i = 0; i < 16; ++i) t[i] = row[i] = load16(x + (r + i) * 16);
-    const v16 mu = lane_sums(t) * (1.f / 16.f);  // lane i: the mean of row r + i
-    for (int i = 0; i < 16; ++i) {
-      row[i] -= mu[i];
-      t[i] = row[i] * row[i];
-    }
-    const v16 var = lane_sums(t) * (1.f / 16.f);
-    float rs[16];
-#pragma omp simd
-    for (int i = 0; i < 16; ++i) rs[i] = 1.f / std::sqrt(var[i] + eps);
-    for (int i = 0; i < 16; ++i) {
-      const v16 out = row[i] * rs[i] * wv + bv;
-      __builtin_memcpy(y + (r + i) * 16, &out, sizeof out);
-    }
-    __builtin_memcpy(mean + r, &mu, sizeof mu);
-    __builtin_memcpy(rstd + r, rs, sizeof rs);
-  }
+  for (; r + 16 <= r1; r += 16) ln_block<false, false>(x, wv, bv, y, mean, rstd, 0, eps, r);
   return r;
+}
+
+// Forward over the capsules [r0, r1) (multiples of 16): x in layout InRows, y in OutRows.
+template <bool InRows, bool OutRows>
+void ln_forward_layout(const float* __restrict x, const float* __restrict w,
+                       const float* __restrict b, float* __restrict y, float* __restrict mean,
+                       float* __restrict rstd, int64_t sites, float eps, int64_t r0, int64_t r1) {
+  const v16 wv = load16(w), bv = load16(b);
+  for (int64_t r = r0; r < r1; r += 16)
+    ln_block<InRows, OutRows>(x, wv, bv, y, mean, rstd, sites, eps, r);
 }
 
 template <int D>
@@ -130,88 +205,6 @@ void ln_backward(const float* __restrict x, const float* __restrict w,
   }
 }
 
-
-// -- 4x4 matrix poses held rows-first ------------------------------------------------------------
-// Poses of d = 16 = a*x (a = x = 4) in one of two layouts, capsule r = g*S + s of G groups (the
-// batch) of S capsules (sites and types):
-//   standard    [G, S, a, x]:  row a of capsule r at r*16 + a*4
-//   rows-first  [G, a, S, x]:  row a of capsule r at (g*4 + a)*S*4 + s*4
-// Rows-first is what a conv capsule layer's uniform pass reads and writes (the pose row next to
-// the batch: one convolution for every row, capsctl/layers/capsules.py); the loops below read
-// one layout and write the other (or the same) in their single pass, so the layout copy before
-// and after the LayerNorm costs nothing. A block is 16 consecutive capsules of one group
-// (S % 16 == 0, blocks aligned to 16: checked by the caller, capsctl/layers/rows_first.py).
-
-// The 4x4 transpose of four vectors seen as 4x4 blocks of 4 floats: out[j] block i = in[i]
-// block j. Rows-first memory holds, per row a, four capsules' rows in one vector; the
-// transpose turns four such vectors into the four capsules' poses, and back.
-inline void transpose_blocks(v16* p) {
-  const v16 t0 = CAPSCTL_SHUFFLE(p[0], p[1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const v16 t1 = CAPSCTL_SHUFFLE(p[0], p[1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const v16 t2 = CAPSCTL_SHUFFLE(p[2], p[3], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const v16 t3 = CAPSCTL_SHUFFLE(p[2], p[3], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  p[0] = CAPSCTL_SHUFFLE(t0, t2, CAPSCTL_LO8);
-  p[1] = CAPSCTL_SHUFFLE(t0, t2, CAPSCTL_HI8);
-  p[2] = CAPSCTL_SHUFFLE(t1, t3, CAPSCTL_LO8);
-  p[3] = CAPSCTL_SHUFFLE(t1, t3, CAPSCTL_HI8);
-}
-
-// The 16 poses of the block at capsule r (r % 16 == 0) into pose[16], from either layout.
-template <bool Rows>
-inline void load_block(const float* __restrict t, int64_t sites, int64_t r, v16* pose) {
-  if constexpr (!Rows) {
-    for (int i = 0; i < 16; ++i) pose[i] = load16(t + (r + i) * 16);
-  } else {
-    const int64_t g = r / sites, s = r - g * sites;
-    const float* base = t + g * 16 * sites + s * 4;  // row 0 of capsule r
-    for (int q = 0; q < 4; ++q) {                     // capsules r + 4q .. r + 4q + 3
-      for (int a = 0; a < 4; ++a) pose[4 * q + a] = load16(base + a * 4 * sites + q * 16);
-      transpose_blocks(pose + 4 * q);
-    }
-  }
-}
-
-// pose[16] (clobbered) to the block at capsule r of either layout.
-template <bool Rows>
-inline void store_block(float* __restrict t, int64_t sites, int64_t r, v16* pose) {
-  if constexpr (!Rows) {
-    for (int i = 0; i < 16; ++i) __builtin_memcpy(t + (r + i) * 16, &pose[i], sizeof(v16));
-  } else {
-    const int64_t g = r / sites, s = r - g * sites;
-    float* base = t + g * 16 * sites + s * 4;
-    for (int q = 0; q < 4; ++q) {
-      transpose_blocks(pose + 4 * q);
-      for (int a = 0; a < 4; ++a)
-        __builtin_memcpy(base + a * 4 * sites + q * 16, &pose[4 * q + a], sizeof(v16));
-    }
-  }
-}
-
-// Forward over the capsules [r0, r1) (multiples of 16): x in layout InRows, y in OutRows.
-template <bool InRows, bool OutRows>
-void ln_forward_layout(const float* __restrict x, const float* __restrict w,
-                       const float* __restrict b, float* __restrict y, float* __restrict mean,
-                       float* __restrict rstd, int64_t sites, float eps, int64_t r0, int64_t r1) {
-  const v16 wv = load16(w), bv = load16(b);
-  for (int64_t r = r0; r < r1; r += 16) {
-    v16 row[16], t[16];
-    load_block<InRows>(x, sites, r, row);
-    for (int i = 0; i < 16; ++i) t[i] = row[i];
-    const v16 mu = lane_sums(t) * (1.f / 16.f);  // lane i: the mean of capsule r + i
-    for (int i = 0; i < 16; ++i) {
-      row[i] -= mu[i];
-      t[i] = row[i] * row[i];
-    }
-    const v16 var = lane_sums(t) * (1.f / 16.f);
-    float rs[16];
-#pragma omp simd
-    for (int i = 0; i < 16; ++i) rs[i] = 1.f / std::sqrt(var[i] + eps);
-    for (int i = 0; i < 16; ++i) row[i] = row[i] * rs[i] * wv + bv;
-    store_block<OutRows>(y, sites, r, row);
-    __builtin_memcpy(mean + r, &mu, sizeof mu);
-    __builtin_memcpy(rstd + r, rs, sizeof rs);
-  }
-}
 
 // Backward over the capsules [r0, r1) (multiples of 16): x and gx in layout InRows, gy in
 // OutRows; acc[2, 16] as in ln_backward.
