@@ -29,7 +29,7 @@ from capsctl.layers.layout import permute_rows, to_channels_last, window_copy
 from capsctl.layers.pose_norm import pose_layer_norm
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routing import routed_pass
-from capsctl.layers.rows_first import layout_layer_norm, to_standard
+from capsctl.layers.rows_first import layout_layer_norm, to_rows, to_standard
 
 
 def routed_pass_in_float32(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -53,17 +53,18 @@ class PrimaryCapsules(nn.Module):
     def forward(self, feats: Tensor) -> Tensor:
         """Channels-last convolution: its output ``[b, h, w, n*d]`` in memory already is the
         grid of poses, so reading it as capsules copies nothing (the features are smaller)."""
+        return pose_layer_norm(self._poses(feats), self.norm)
+
+    def _poses(self, feats: Tensor) -> Tensor:
+        """The convolution's output as poses ``[b, h, w, n, d]`` (before the LayerNorm)."""
         b, _, h, w = feats.shape
         y = self.conv(to_channels_last(feats))  # [b, n*d, h, w]
-        y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
-        return pose_layer_norm(y, self.norm)
+        return y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
 
     def rows_first(self, feats: Tensor, rows: int) -> Tensor:
         """The poses of :meth:`forward` rows-first, ``[b, a, h, w, n, x]`` for poses of ``a =
         rows`` rows (the LayerNorm writes them so, capsctl/layers/rows_first.py)."""
-        b, _, h, w = feats.shape
-        y = self.conv(to_channels_last(feats))  # [b, n*d, h, w]
-        y = y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
+        y = self._poses(feats)  # [b, h, w, n, d]
         return layout_layer_norm(y, self.norm, rows_in=False, rows_out=True, rows=rows)
 
 
@@ -327,12 +328,8 @@ class ConvCapsules(CapsuleLayer):
         copies move whole pose rows (capsctl/layers/layout.py). The weight ``[k, l, n, x, m, c]``
         is transposed once into the convolution's layout.
         """
-        b, hh, ww, n, _ = child.shape
-        inp = child.view(b, hh, ww, n, self.rows, self.cols_in)  # [b, H, W, n, a, x]
-        y = self._uniform_rows(permute_rows(inp, (0, 4, 1, 2, 3, 5)))  # [b, a, h, w, m, c]
-        h, w = y.shape[2:4]
-        y = permute_rows(y, (0, 2, 3, 4, 1, 5))  # [b, h, w, m, a, c]
-        return y.view(b, h, w, self.out_types, self.out_dim)  # [b, h, w, m, d]
+        y = self._uniform_rows(to_rows(child, self.rows))  # [b, a, h, w, m, c]
+        return to_standard(y)  # [b, h, w, m, d]
 
     def _uniform_rows(self, child: Tensor) -> Tensor:
         """:meth:`uniform_sum` rows-first: children ``[b, a, H, W, n, x]`` (contiguous) ->
@@ -352,11 +349,8 @@ class ConvCapsules(CapsuleLayer):
     def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
         """The uniform pass rows-first (:meth:`_uniform_rows`), its LayerNorm writing the
         parents in the layout asked for: no copy of the sums (capsctl/layers/rows_first.py)."""
-        if not rows_in:
-            b, hh, ww, n, _ = child.shape
-            inp = child.view(b, hh, ww, n, self.rows, self.cols_in)  # [b, H, W, n, a, x]
-            child = permute_rows(inp, (0, 4, 1, 2, 3, 5))  # [b, a, H, W, n, x]
-        s = self._uniform_rows(child.contiguous())  # [b, a, h, w, m, c]
+        rows = child if rows_in else to_rows(child, self.rows)  # [b, a, H, W, n, x]
+        s = self._uniform_rows(rows.contiguous())  # [b, a, h, w, m, c]
         return self.finish_layout(s, rows_in=True, rows_out=rows_out)
 
     def _windows(self, child: Tensor) -> tuple[Tensor, int, int]:

@@ -27,9 +27,11 @@ _MIN_ROWS_PER_THREAD = 4096
 _MAX_D = 1024  # the loops' scratch per row
 
 
-def _spans(rows: int, like: Tensor) -> list[tuple[int, int]]:
+def _spans(rows: int, like: Tensor, block: int = 1) -> list[tuple[int, int]]:
+    """One span of rows per thread, each a whole number of ``block`` rows."""
     workers = max(1, min(site_workers(like), rows // _MIN_ROWS_PER_THREAD))
-    return site_spans(rows, -(-rows // workers), workers)
+    per = -(-rows // workers)
+    return site_spans(rows, -(-per // block) * block, workers)
 
 
 class _PoseLayerNorm(torch.autograd.Function):

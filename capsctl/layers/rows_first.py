@@ -27,16 +27,15 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from capsctl.layers import native
-from capsctl.layers.chunks import run_spans, site_spans, site_workers
+from capsctl.layers.chunks import run_spans
 from capsctl.layers.layout import permute_rows
-from capsctl.layers.pose_norm import pose_layer_norm
+from capsctl.layers.pose_norm import _spans, pose_layer_norm
 from capsctl.layers.routing import _DENSE
 
 __all__ = ["layout_layer_norm", "rows_shape", "standard_shape", "to_rows", "to_standard"]
 
 SIDE = 4  # a = x = 4: the compiled loops' poses (d = 16)
 _BLOCK = 16  # capsules per block of the loops
-_MIN_ROWS_PER_THREAD = 4096
 
 
 def rows_shape(shape: Sequence[int], rows: int) -> tuple[int, ...]:
@@ -63,13 +62,6 @@ def to_standard(t: Tensor) -> Tensor:
     return out.reshape(standard_shape(t.shape))  # [b, *grid, n, d]
 
 
-def _spans(rows: int, like: Tensor) -> list[tuple[int, int]]:
-    """Spans of whole blocks, one per thread."""
-    workers = max(1, min(site_workers(like), rows // _MIN_ROWS_PER_THREAD))
-    per = -(-rows // workers)
-    return site_spans(rows, -(-per // _BLOCK) * _BLOCK, workers)
-
-
 class _LayoutLayerNorm(torch.autograd.Function):
     """``x`` (standard or rows-first, contiguous; ``sites`` capsules per batch element) ->
     the LayerNorm of each pose in the other (or the same) layout; saves ``x``, the poses' means
@@ -91,7 +83,7 @@ class _LayoutLayerNorm(torch.autograd.Function):
         def part(_: int, r0: int, r1: int) -> None:
             fn(*ptrs, sites, int(rows_in), int(rows_out), eps, r0, r1)
 
-        run_spans(part, _spans(count, x))
+        run_spans(part, _spans(count, x, _BLOCK))
         ctx.save_for_backward(x, w, mean, rstd)
         ctx.layout = (sites, int(rows_in), int(rows_out))
         return y
@@ -102,7 +94,7 @@ class _LayoutLayerNorm(torch.autograd.Function):
         x, w, mean, rstd = ctx.saved_tensors
         gy = gy.contiguous()
         gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        spans = _spans(mean.numel(), x)
+        spans = _spans(mean.numel(), x, _BLOCK)
         accs = [x.new_zeros(2, SIDE * SIDE, dtype=torch.float64) for _ in spans]  # [gw; gb]
         fn = native.library().capsctl_layer_norm_backward_layout
         ptrs = [t.data_ptr() for t in (x, w.contiguous(), mean, rstd, gy)]

@@ -180,12 +180,11 @@ def rows_first_plan(
     only: a conv layer's routed pass reads windows of standard poses, and the query of a routed
     pass is standard. 4x4 poses, LayerNorm, float32 on a CPU only (elsewhere the layout copies
     would come back)."""
-    caps = [primary, *layers]
     if not isinstance(primary, LayerNormPrimary) or primary.dim != SIDE * SIDE:
         return None
-    if not all(isinstance(m.norm, nn.LayerNorm) for m in caps):
-        return None
     if not all(isinstance(m, CapsuleLayer) and m.rows == m.cols_in == SIDE for m in layers):
+        return None
+    if not all(isinstance(m.norm, nn.LayerNorm) for m in [primary, *layers]):
         return None
     if _DENSE["on"] or not native.usable(feats, primary.conv.weight):
         return None  # export's and compile's plain ops, other devices and dtypes
