@@ -174,3 +174,22 @@ def test_no_layout_copy_between_uniform_passes(monkeypatch: pytest.MonkeyPatch) 
     m.set_routing(mode="sequential")  # the standard layout: copies before the convolutions
     m(torch.randn(2, 3, 32, 32)).sum().backward()
     assert len(copies) >= 2
+
+
+def test_routed_pass_of_rows_first_children() -> None:
+    """A routed pass handed rows-first children (the schedule gives conv layers standard ones;
+    any layer takes either) routes the same poses: conv layers through a standard copy, the FC
+    layer straight from the rows."""
+    m = _model("cifar10-caps-simple")
+    g = torch.Generator().manual_seed(4)
+    for layer, child_shape in (
+        (m.capsules[1], (2, 7, 7, 32, 16)),
+        (m.capsules[2], (2, 5, 5, 32, 16)),
+    ):
+        child = torch.randn(child_shape, generator=g)
+        parent = layer.uniform(child)
+        want, want_r = layer.route(child, parent)
+        got, got_r = layer.route(rows_of(child), parent, rows_in=True)
+        assert torch.allclose(got, want, atol=1e-5)
+        assert torch.allclose(got_r, want_r, atol=1e-6)
+        assert torch.allclose(layer.uniform(rows_of(child), rows_in=True), parent, atol=1e-5)
