@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,3 +35,46 @@ def eager_routing() -> Iterator[None]:
 
     with native_disabled():
         yield
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
+    """A writer of untrained tiny capsule-net checkpoints for the embedded Fashion-MNIST subset
+    (28x28 gray, 10 classes; ``classes`` renames them), made in well under a second:
+    ``tiny_checkpoint(path=None, classes=None) -> path``."""
+    import torch
+
+    from capsctl.checkpoint import model_tensors, save_checkpoint
+    from capsctl.config import Preset, preset_to_dict, resolve_config
+    from capsctl.data.catalog import FASHION_MNIST_CLASSES
+    from capsctl.models import build_model_from_config
+
+    def write(path: Path | None = None, classes: Sequence[str] | None = None) -> Path:
+        path = tmp_path / "tiny.safetensors" if path is None else path
+        cfg = resolve_config(
+            {
+                "base": "mnist-caps",
+                "primary_types": 4,
+                "primary_dim": 4,
+                "layers": [{"kind": "conv", "types": 4, "pose_dim": 4, "kernel": 3, "stride": 2}],
+                "iterations": 2,
+            }
+        )
+        torch.manual_seed(0)
+        model = build_model_from_config(cfg)
+        preset = Preset(name="tiny", model=cfg)
+        preset.data.dataset = "fashion-mnist-quickstart"
+        preset.data.normalization = "fashion-mnist"
+        preset.data.val_size = 200
+        metadata = {
+            "preset": preset_to_dict(preset),
+            "classes": list(classes or FASHION_MNIST_CLASSES),
+            "normalization": {"name": "fashion-mnist", "mean": [0.286], "std": [0.353]},
+            "input_size": cfg.input_size,
+            "in_channels": 1,
+            "epoch": 1,
+        }
+        save_checkpoint(path, model_tensors(model), metadata)
+        return path
+
+    return write

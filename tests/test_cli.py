@@ -307,3 +307,22 @@ def test_a_bad_chunk_size_in_the_environment_is_one_line(
     code, _, err = run(capsys, "bench", "mnist-caps", "--batch-size", "2", "--iters", "1")
     assert code == 2
     assert err.strip().splitlines() == [err.strip()] and "CAPSCTL_CHUNK_MIB" in err
+
+
+def test_export_refuses_an_existing_file_unless_overwrite(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ckpt = tiny_checkpoint()
+    last = tiny_checkpoint(tmp_path / "last.safetensors")
+    before = last.read_bytes()
+    args = ["export", str(ckpt), "--format", "safetensors", "--out", str(last)]
+    code, _, err = run(capsys, *args)
+    assert code == 2 and str(last) in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1 and last.read_bytes() == before
+    code, _, err = run(capsys, *args, "--overwrite")
+    assert code == 0, err
+    assert last.read_bytes() != before
+    code, _, err = run(
+        capsys, "export", str(ckpt), "-f", "safetensors", "-o", str(ckpt), "--overwrite"
+    )
+    assert code == 2 and str(ckpt) in err and "pick another output path" in err

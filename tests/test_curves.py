@@ -456,3 +456,46 @@ def test_eval_csv_and_json_exclude_each_other(
 ) -> None:
     code, out, err = run(capsys, "eval", str(tiny_run / "best.safetensors"), "--csv", "--json")
     assert code == 2 and "--json and --csv exclude each other" in err and out == ""
+
+
+def test_plot_refuses_an_existing_picture_unless_overwrite(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run_dir = write_run(tmp_path, "one")
+    out = tmp_path / "mine.png"
+    out.write_bytes(b"precious")
+    with pytest.raises(UsageError) as info:
+        plot_runs([run_dir], out)
+    assert str(out) in str(info.value) and "--overwrite" in str(info.value)
+    assert out.read_bytes() == b"precious"
+    assert plot_runs([run_dir], out, overwrite=True) == out
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+    default = plot_runs([run_dir])  # curves.png in the run folder, once
+    with pytest.raises(UsageError, match="already exists"):
+        plot_runs([run_dir])
+    assert default == run_dir / "curves.png"
+
+
+def test_plot_never_replaces_the_metrics_it_reads(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run_dir = write_run(tmp_path, "one")
+    metrics = run_dir / "metrics.jsonl"
+    picture = run_dir / "metrics.png"
+    picture.symlink_to(metrics)
+    before = metrics.read_bytes()
+    with pytest.raises(UsageError) as info:
+        plot_runs([run_dir], picture, overwrite=True)
+    assert str(metrics) in str(info.value) and "pick another output path" in str(info.value)
+    assert metrics.read_bytes() == before
+
+
+def test_plot_cli_overwrite_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    run_dir = write_run(tmp_path, "one")
+    out = tmp_path / "c.png"
+    out.write_bytes(b"precious")
+    code, _, err = run(capsys, "plot", str(run_dir), "--out", str(out))
+    assert code == 2 and str(out) in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1 and out.read_bytes() == b"precious"
+    code, _, err = run(capsys, "plot", str(run_dir), "--out", str(out), "--overwrite")
+    assert code == 0, err
+    assert out.read_bytes().startswith(PNG_SIGNATURE)

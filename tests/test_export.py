@@ -415,3 +415,61 @@ def test_the_checkpoint_header_is_read_once(
     result = export_checkpoint(ckpt, fmt, tmp_path / "out", check_images=2)
     assert result.checked_on.startswith("2 test images of ")
     assert reads.count(ckpt) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Existing outputs and the input itself (issue 26, finding 2)
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_existing_output_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    ckpt = write_tiny_checkpoint(tmp_path / "run.safetensors", training_state=False)
+    resumable = write_tiny_checkpoint(tmp_path / "last.safetensors")  # a resumable checkpoint
+    before = resumable.read_bytes()
+    with pytest.raises(UsageError) as info:
+        export_checkpoint(ckpt, "safetensors", resumable)
+    message = str(info.value)
+    assert str(resumable) in message and "--overwrite" in message and "\n" not in message
+    assert resumable.read_bytes() == before
+    assert not (tmp_path / "last.safetensors.json").exists()
+    result = export_checkpoint(ckpt, "safetensors", resumable, overwrite=True)
+    assert result.path == resumable and resumable.read_bytes() != before
+
+
+def test_an_existing_sidecar_or_default_output_is_refused(tmp_path: Path) -> None:
+    ckpt = write_tiny_checkpoint(tmp_path / "run.safetensors", training_state=False)
+    export_checkpoint(ckpt, "safetensors")  # the default path beside the checkpoint
+    with pytest.raises(UsageError, match="run.release.safetensors already exists"):
+        export_checkpoint(ckpt, "safetensors")
+    sidecar = tmp_path / "new.safetensors.json"
+    sidecar.write_text("mine")
+    with pytest.raises(UsageError) as info:
+        export_checkpoint(ckpt, "safetensors", tmp_path / "new.safetensors")
+    assert str(sidecar) in str(info.value) and "--overwrite" in str(info.value)
+    assert sidecar.read_text() == "mine" and not (tmp_path / "new.safetensors").exists()
+
+
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
+def test_the_input_is_never_replaced_even_with_overwrite(tmp_path: Path, how: str) -> None:
+    ckpt = write_tiny_checkpoint(tmp_path / "run.safetensors", training_state=False)
+    before = ckpt.read_bytes()
+    out = ckpt
+    if how == "symlink":
+        out = tmp_path / "link.safetensors"
+        out.symlink_to(ckpt)
+    elif how == "hardlink":
+        out = tmp_path / "hard.safetensors"
+        os.link(ckpt, out)
+    with pytest.raises(UsageError) as info:
+        export_checkpoint(ckpt, "safetensors", out, overwrite=True)
+    assert str(ckpt) in str(info.value) and "pick another output path" in str(info.value)
+    assert ckpt.read_bytes() == before
+
+
+def test_the_sidecar_never_replaces_the_input(tmp_path: Path) -> None:
+    ckpt = write_tiny_checkpoint(tmp_path / "m.onnx.json", training_state=False)
+    before = ckpt.read_bytes()
+    with pytest.raises(UsageError) as info:
+        export_checkpoint(ckpt, "safetensors", tmp_path / "m.onnx", overwrite=True)
+    assert str(ckpt) in str(info.value) and "pick another output path" in str(info.value)
+    assert ckpt.read_bytes() == before and not (tmp_path / "m.onnx").exists()

@@ -40,6 +40,12 @@ def export_cmd(
     tolerance: Annotated[
         float, typer.Option(help="Largest allowed |exported - eager| (float32).")
     ] = 1e-4,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace an existing output (never the checkpoint itself)."
+        ),
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export to ONNX (self-contained, dynamic batch), torch.export (.pt2), a weights-only
@@ -54,7 +60,13 @@ def export_cmd(
     status = err.status(f"exporting {ckpt.name} to {fmt}", spinner="dots")
     with status if not json_out else contextlib.nullcontext():
         res = export_checkpoint(
-            ckpt, fmt, out, check_images=check_images, data_dir=data_dir, tolerance=tolerance
+            ckpt,
+            fmt,
+            out,
+            check_images=check_images,
+            data_dir=data_dir,
+            tolerance=tolerance,
+            overwrite=overwrite,
         )
     if json_out:
         print_json(res.to_dict())
@@ -144,6 +156,9 @@ def plot_cmd(
             "Default: loss, accuracy, lr.",
         ),
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing picture at --out.")
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Training curves (loss, accuracy, learning rate per epoch) of one or several runs."""
@@ -153,7 +168,7 @@ def plot_cmd(
 
     keys = resolve_metrics(metric)
     read: list[dict] = []
-    path = plot_runs(runs, out, keys, on_event=read.append)
+    path = plot_runs(runs, out, keys, overwrite=overwrite, on_event=read.append)
     if json_out:
         runs_read = [{k: e[k] for k in ("name", "path", "epochs")} for e in read]
         print_json({"out": str(path), "metrics": keys, "runs": runs_read})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from capsctl.atomic import write_atomic
+from capsctl.atomic import check_output, write_atomic
 from capsctl.curves.history import curve_points, metrics_path, read_history, run_name
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
@@ -142,11 +142,14 @@ def plot_runs(
     out: str | Path | None = None,
     metrics: Sequence[str] | None = None,
     on_event: EventFn = None,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Draw the curves of one or several runs on shared axes into ``out``; returns ``out``.
 
     Default ``out``: ``curves.png`` in the run folder for one run, in the current folder for
-    several.
+    several. An existing file at ``out`` is refused (:class:`UsageError`, before anything is
+    drawn) unless ``overwrite``; a run's metrics file is refused even then.
 
     One panel per chosen panel (see :func:`resolve_metrics`; default: loss, accuracy, lr),
     epochs on the x axis, accuracy in percent. One run: colours tell the curves apart and the
@@ -168,6 +171,7 @@ def plot_runs(
     fmt = _FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise UsageError(f"--out {out}: the picture must end in .png, .svg or .pdf")
+    check_output(out, inputs=[metrics_path(r) for r in run_dirs], overwrite=overwrite)
     keys = resolve_metrics(metrics)
     mpl = _load_matplotlib()
     names = _labels(run_dirs)
@@ -185,7 +189,7 @@ def plot_runs(
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CapsctlError(f"cannot create the folder {out.parent}: {e.strerror or e}") from None
-    write_atomic(out, buf.getvalue())
+    write_atomic(out, buf.getvalue(), overwrite=overwrite)
     return out
 
 
@@ -319,4 +323,4 @@ def write_run_curves(run_dir: str | Path) -> Path | None:
     path = metrics_path(run_dir)
     if not path.exists() or not read_history(run_dir):
         return None
-    return plot_runs([run_dir], Path(run_dir) / CURVES_FILE)
+    return plot_runs([run_dir], Path(run_dir) / CURVES_FILE, overwrite=True)

@@ -40,8 +40,10 @@ def export_checkpoint(
 
     ``out``: the artifact path; default ``<folder>/<stem><suffix>`` beside the checkpoint
     (:data:`capsctl.export.formats.FORMATS`); an existing folder gets the default file name
-    inside it. For ``hf``, ``out`` is the model folder itself (default ``<folder>/<stem>-hf``):
-    an existing empty folder is filled, a non-empty one is refused unless ``overwrite``.
+    inside it. An existing file there (or at its ``<artifact>.json`` sidecar) is refused
+    unless ``overwrite``; a file the export reads is refused even then. For ``hf``, ``out`` is
+    the model folder itself (default ``<folder>/<stem>-hf``): an existing empty folder is
+    filled, a non-empty one is refused unless ``overwrite``.
 
     ``check_images``: what the artifact is compared with eager PyTorch on. An int ``n``
     (default 16): the first ``n`` test images of the checkpoint's dataset, looked for in
@@ -75,7 +77,7 @@ def export_checkpoint(
         )
     ckpt = Path(ckpt)
     meta = read_metadata(ckpt)  # a missing or foreign checkpoint is reported before the output
-    path = output_file(ckpt, fmt, out)
+    path = output_file(ckpt, fmt, out, overwrite)
     emit(on_event, "export_load", checkpoint=str(ckpt), format=fmt)
     source = load_source(
         ckpt,
@@ -85,4 +87,4 @@ def export_checkpoint(
         data_dir=data_dir,
         on_event=on_event,
     )
-    return export_file(source, fmt, path, tolerance, on_event)
+    return export_file(source, fmt, path, tolerance, on_event, overwrite=overwrite)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from capsctl.atomic import fsync_dir, temp_path, write_atomic
+from capsctl.atomic import check_output, fsync_dir, publish, same_file, temp_path, write_atomic
 from capsctl.checkpoint import (
     TRAINING_STATE_KEY,
     load_checkpoint,
@@ -100,26 +100,45 @@ def check_writable_folder(path: Path) -> None:
         os.unlink(probe)
 
 
-def output_file(ckpt: Path, fmt: str, out: str | os.PathLike[str] | None) -> Path:
+def source_files(ckpt: Path) -> list[Path]:
+    """The files an export reads: the checkpoint, or every file of a model folder."""
+    return sorted(p for p in ckpt.iterdir() if p.is_file()) if ckpt.is_dir() else [ckpt]
+
+
+def sidecar_path(path: Path) -> Path:
+    """``<artifact>.json``, the sidecar written next to an exported file."""
+    return path.with_name(path.name + ".json")
+
+
+def output_file(
+    ckpt: Path, fmt: str, out: str | os.PathLike[str] | None, overwrite: bool = False
+) -> Path:
     """The artifact path: ``out``, the default name inside an existing folder ``out``, or
-    :func:`default_output_path`; never the checkpoint itself; its folder must be writable."""
+    :func:`default_output_path`; never the checkpoint itself; its folder must be writable.
+
+    The artifact and its sidecar must not be a file the export reads (even with
+    ``overwrite``), nor exist unless ``overwrite``: :class:`UsageError` otherwise.
+    """
     path = default_output_path(ckpt, fmt) if out is None else Path(out)
     if out is not None and path.is_dir():
         path = path / default_output_path(ckpt, fmt).name
-    if path.resolve() == ckpt.resolve():
+    inputs = source_files(ckpt)
+    if any(same_file(path, f) for f in inputs) or same_file(path, ckpt):
         raise UsageError(
             f"the export would overwrite the checkpoint {ckpt}; pick another output path"
         )
+    for target in (path, sidecar_path(path)):
+        check_output(target, inputs=inputs, overwrite=overwrite)
     check_writable_folder(path)
     return path
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """fsync ``tmp`` and rename it over ``path``."""
+def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
+    """fsync ``tmp`` and rename it to ``path`` (replacing a file there only if ``overwrite``)."""
     try:
         with open(tmp, "rb+") as file:
             os.fsync(file.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path, overwrite=overwrite)
     except OSError as e:
         raise CapsctlError(f"cannot write {path}: {e.strerror or e}") from None
     fsync_dir(path.parent)
@@ -270,12 +289,20 @@ def _sidecar(source: ExportSource, fmt: str, path: Path, result: ExportResult) -
 
 
 def export_file(
-    source: ExportSource, fmt: str, path: Path, tolerance: float, on_event: EventFn = None
+    source: ExportSource,
+    fmt: str,
+    path: Path,
+    tolerance: float,
+    on_event: EventFn = None,
+    *,
+    overwrite: bool = False,
 ) -> ExportResult:
     """Write ``source`` as ``fmt`` (onnx, pt2, safetensors) to ``path`` once it passed the check.
 
     A difference above ``tolerance`` (0 for ``safetensors``) raises :class:`CapsctlError` and
-    leaves nothing written. Events: ``export_build``, ``export_check``, ``export_done``.
+    leaves nothing written. Files already at ``path`` or its sidecar are replaced only with
+    ``overwrite`` (see :func:`output_file`). Events: ``export_build``, ``export_check``,
+    ``export_done``.
     """
     wrapped = _Logits(source.model).eval()
     for p in wrapped.parameters():
@@ -298,11 +325,11 @@ def export_file(
         )
         if not diff <= limit:  # also catches NaN
             raise parity_error(fmt, diff, limit, checked_on)
-        _publish(tmp, path)
+        _publish(tmp, path, overwrite)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-    sidecar = path.with_name(path.name + ".json")
+    sidecar = sidecar_path(path)
     result = ExportResult(
         path=path,
         format=fmt,
@@ -317,7 +344,8 @@ def export_file(
         notes=list(source.check.notes),
     )
     info = _sidecar(source, fmt, path, result)
-    write_atomic(sidecar, (json.dumps(info, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    text = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
+    write_atomic(sidecar, text.encode("utf-8"), overwrite=overwrite)
     emit(
         on_event,
         "export_done",

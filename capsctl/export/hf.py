@@ -71,8 +71,8 @@ def _check_output_folder(out: Path, ckpt: Path, overwrite: bool) -> None:
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise CapsctlError(
-                f"cannot write the model folder {out}: it exists and is not empty; remove it "
-                "or pick another output folder"
+                f"cannot write the model folder {out}: it exists and is not empty; pass "
+                "--overwrite to replace it or pick another output folder"
             )
         if ckpt.resolve().is_relative_to(out.resolve()):
             raise UsageError(
