@@ -70,9 +70,27 @@ def stored_preset(metadata: Mapping[str, Any], path: str | os.PathLike[str]) -> 
     from capsctl.config import preset_from_dict
 
     try:
-        return preset_from_dict(metadata["preset"])
+        return preset_from_dict(stored_defaults(metadata["preset"]))
     except (KeyError, TypeError, ConfigError) as e:
         raise CheckpointError(f"{path}: its stored preset is unusable ({e})") from None
+
+
+#: Router parameters whose default changed, with the value a stored configuration that does not
+#: name them was trained with.
+STORED_ROUTER_DEFAULTS: dict[str, dict[str, Any]] = {"self": {"primary_norm": "none"}}
+
+
+def stored_defaults(preset: Any) -> Any:
+    """A stored preset mapping with the old defaults of :data:`STORED_ROUTER_DEFAULTS` filled in
+    where it does not name them (a copy; anything else is returned as it is)."""
+    if not isinstance(preset, Mapping) or not isinstance(preset.get("model"), Mapping):
+        return preset
+    model = dict(preset["model"])
+    router = model.get("router")
+    if isinstance(router, Mapping):
+        old = STORED_ROUTER_DEFAULTS.get(str(router.get("name")), {})
+        model["router"] = {**old, **router}
+    return {**preset, "model": model}
 
 
 def model_config(path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None) -> Any:
@@ -90,7 +108,9 @@ def model_config(path: str | os.PathLike[str], metadata: Mapping[str, Any] | Non
             "cannot be rebuilt"
         )
     try:
-        return from_dict(ModelConfig, raw_model, "preset.model")
+        return from_dict(
+            ModelConfig, stored_defaults({"model": raw_model})["model"], "preset.model"
+        )
     except ConfigError as e:
         raise CheckpointError(
             f"{path}: its stored model configuration is invalid ({e}); it may come from another "

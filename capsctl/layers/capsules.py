@@ -72,14 +72,27 @@ class PrimaryCapsulesWithActivations(PrimaryCapsules):
     """Poses from a 1x1 convolution (no LayerNorm) and one activation per capsule from a 1x1
     convolution with bias and a sigmoid (EM routing, self-routing).
 
+    ``batch_norm=True`` puts a BatchNorm over the pose channels after the pose convolution and
+    one over the activation logits before the sigmoid, as Hahn et al.'s published
+    self-routing code does (SR-CapsNet, ``models/resnet.py``: ``bn_pose``, ``bn_a``): the
+    poses enter the routing with unit variance per entry.
+
     ``forward`` returns poses ``[b, h, w, n, d]`` and activations ``[b, h, w, n]``."""
 
-    def __init__(self, in_channels: int, types: int, dim: int) -> None:
+    def __init__(self, in_channels: int, types: int, dim: int, *, batch_norm: bool = False) -> None:
         super().__init__(in_channels, types, dim, layer_norm=False)
         self.act = nn.Conv2d(in_channels, types, kernel_size=1)
+        self.pose_bn: nn.Module = nn.BatchNorm2d(types * dim) if batch_norm else nn.Identity()
+        self.act_bn: nn.Module = nn.BatchNorm2d(types) if batch_norm else nn.Identity()
+
+    def _poses(self, feats: Tensor) -> Tensor:
+        b, _, h, w = feats.shape
+        y = self.pose_bn(self.conv(to_channels_last(feats)))  # [b, n*d, h, w]
+        return y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
 
     def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        act = torch.sigmoid(self.act(feats)).permute(0, 2, 3, 1)  # [b, n, h, w] -> [b, h, w, n]
+        logits = self.act_bn(self.act(feats))  # [b, n, h, w]
+        act = torch.sigmoid(logits).permute(0, 2, 3, 1)  # [b, n, h, w] -> [b, h, w, n]
         return super().forward(feats), act
 
 
