@@ -326,3 +326,63 @@ def test_export_refuses_an_existing_file_unless_overwrite(
         capsys, "export", str(ckpt), "-f", "safetensors", "-o", str(ckpt), "--overwrite"
     )
     assert code == 2 and str(ckpt) in err and "pick another output path" in err
+
+
+# --------------------------------------------------------------------------------------------
+# User text is shown verbatim, never read as rich markup (issue 26, finding 6)
+# --------------------------------------------------------------------------------------------
+
+BRACKETED_CLASSES = ["[red]cat", "dog[/]", "[/bold]", "a[b]c", *[f"c{i}" for i in range(6)]]
+
+
+@pytest.mark.parametrize(
+    "name", ["x[/].safetensors", "runs/exp[final]/best.safetensors", "[bold]b[/bold].safetensors"]
+)
+@pytest.mark.parametrize("command", ["eval", "predict", "export"])
+def test_bracketed_missing_paths_are_one_verbatim_line(
+    capsys: pytest.CaptureFixture[str], name: str, command: str
+) -> None:
+    args = [command, name, *(["img.png"] if command == "predict" else [])]
+    code, _, err = run(capsys, *args)
+    assert code == 2 and f"error: {name}: no such file" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bracketed_paths_and_class_names_show_as_typed(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    image_module = pytest.importorskip("PIL.Image")
+    folder = Path("exp[final]")
+    folder.mkdir()
+    ckpt = tiny_checkpoint(folder / "best[1].safetensors", classes=BRACKETED_CLASSES)
+    (Path("imgs[x]")).mkdir()
+    image_module.new("L", (28, 28), 128).save("imgs[x]/a[red]b.png")
+    code, out, err = run(capsys, "predict", str(ckpt), "imgs[x]", "-k", "10", "--device", "cpu")
+    assert code == 0, err
+    assert "exp[final]/best[1].safetensors" in out and "imgs[x]/a[red]b.png" in out
+    for name in BRACKETED_CLASSES:
+        assert name in out
+    code, out, err = run(capsys, "eval", str(ckpt), "--device", "cpu")
+    assert code == 0, err
+    assert out.startswith("exp[final]/best[1].safetensors  epoch 1")
+    target = folder / "rel[2].safetensors"
+    code, out, err = run(capsys, "export", str(ckpt), "-f", "safetensors", "-o", str(target))
+    assert code == 0, err
+    assert f"wrote {target}" in out and f"{target}.json" in out
+
+
+def test_error_note_and_warning_lines_show_the_message_verbatim(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from capsctl.views.common import error, note
+    from capsctl.views.progress import simple_progress
+
+    error("cannot read [bold]x[/bold] or y[/]")
+    note("z[/red] is [i]odd")
+    with simple_progress("eval") as on_event:
+        on_event({"event": "warning", "message": "w[/] and [link]"})
+    assert [line for line in capsys.readouterr().err.splitlines() if line] == [
+        "error: cannot read [bold]x[/bold] or y[/]",
+        "z[/red] is [i]odd",
+        "warning: w[/] and [link]",
+    ]

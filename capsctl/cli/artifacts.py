@@ -53,11 +53,11 @@ def export_cmd(
     is the folder), each checked against eager PyTorch. CKPT may itself be a model folder."""
     from capsctl.export import export_checkpoint
     from capsctl.views.artifacts import print_export
-    from capsctl.views.common import err, print_json
+    from capsctl.views.common import print_json, spinner
 
     if not ckpt.exists():
         raise UsageError(f"{ckpt}: no such file")
-    status = err.status(f"exporting {ckpt.name} to {fmt}", spinner="dots")
+    status = spinner(f"exporting {ckpt.name} to {fmt}")
     with status if not json_out else contextlib.nullcontext():
         res = export_checkpoint(
             ckpt,

@@ -6,14 +6,14 @@ from typing import Any
 
 from rich.table import Table
 
-from capsctl.views.common import fmt_bytes, fmt_pct, note, out, table
+from capsctl.views.common import fmt_bytes, fmt_pct, note, out, styled, table, warning_line
 
 __all__ = ["print_export", "print_inspection", "print_plot"]
 
 
 def print_export(res: Any) -> None:
     for line in res.notes:
-        note(f"[yellow]note:[/] {line}")
+        note(warning_line(line, "note:"))
     diff = "-" if res.max_abs_diff is None else f"{res.max_abs_diff:.2e}"
     if res.format == "hf":
         out.print(
@@ -28,8 +28,11 @@ def print_export(res: Any) -> None:
 def print_inspection(result: Any) -> None:
     """Header, three tables and the files written, from an InspectionResult."""
     out.print(
-        f"[bold]{result.checkpoint}[/]  {result.algorithm}, T={result.iterations} "
-        f"{result.routing}  on {result.inputs}  (coefficients: {result.coefficient_name})"
+        styled(
+            (str(result.checkpoint), "bold"),
+            f"  {result.algorithm}, T={result.iterations} {result.routing}  on {result.inputs}  "
+            f"(coefficients: {result.coefficient_name})",
+        )
     )
     out.print(_statistics_table(result))
     out.print(

@@ -1,6 +1,10 @@
 """Terminal basics: the two consoles, number formats, tables, ``--json`` and error lines.
 
 Only the CLI and the views import this package. ``NO_COLOR`` is honoured by rich itself.
+
+Both consoles print strings verbatim (``markup=False``): paths, class names and messages may
+hold brackets (``runs/exp[final]/best.safetensors``) and must show as typed. Styling is done
+with :class:`rich.text.Text` (:func:`styled`), never with markup in a string.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.status import Status
 from rich.table import Table
+from rich.text import Text
 
 
 def _width(stream: object) -> int | None:
@@ -23,8 +29,18 @@ def _width(stream: object) -> int | None:
     return None if callable(isatty) and isatty() else 160
 
 
-out = Console(highlight=False, width=_width(sys.stdout))
-err = Console(stderr=True, highlight=False, width=_width(sys.stderr))
+out = Console(highlight=False, markup=False, width=_width(sys.stdout))
+err = Console(stderr=True, highlight=False, markup=False, width=_width(sys.stderr))
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """Text from plain strings and ``(text, style)`` pairs; no markup is read from any part."""
+    return Text.assemble(*parts)
+
+
+def spinner(message: str) -> Status:
+    """A spinner on stderr showing ``message`` verbatim (a context manager)."""
+    return err.status(Text(message), spinner="dots")
 
 
 def print_json(doc: Any) -> None:
@@ -34,11 +50,18 @@ def print_json(doc: Any) -> None:
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    """The one-line error: ``error: <message>``, the message verbatim."""
+    err.print(styled(("error:", "bold red"), " ", message), soft_wrap=True)
 
 
-def note(message: str) -> None:
+def note(message: str | Text) -> None:
+    """A line on stderr (a string is shown verbatim)."""
     err.print(message, soft_wrap=True)
+
+
+def warning_line(message: str, label: str = "warning:") -> Text:
+    """``warning: <message>`` (or another yellow label), the message verbatim."""
+    return styled((label, "yellow"), " ", message)
 
 
 def fmt_int(n: int | None) -> str:

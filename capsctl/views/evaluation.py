@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from capsctl.views.common import fmt_pct, note, out, table
+from capsctl.views.common import fmt_pct, note, out, styled, table
 
 __all__ = ["EVAL_CSV_COLUMNS", "eval_csv", "print_evaluation", "print_predictions"]
 
@@ -19,8 +19,11 @@ __all__ = ["EVAL_CSV_COLUMNS", "eval_csv", "print_evaluation", "print_prediction
 def print_evaluation(ckpt: str, meta: dict[str, Any], res: Any) -> None:
     """Header, accuracy line, and per-class accuracy with the confusion matrix (or recall)."""
     out.print(
-        f"[bold]{escape(ckpt)}[/]  epoch {meta.get('epoch')}  {res.split} split of "
-        f"{res.dataset}: {res.count:,} images"
+        styled(
+            (ckpt, "bold"),
+            f"  epoch {meta.get('epoch')}  {res.split} split of {res.dataset}: "
+            f"{res.count:,} images",
+        )
     )
     name = "top-1" if res.metric == "top-1" else res.metric
     out.print(
@@ -52,11 +55,13 @@ def _per_class_table(res: Any) -> Table:
 def print_predictions(ckpt: str, res: Any) -> None:
     """``capsctl predict``: what was done to the images, then the top-k table."""
     out.print(
-        f"[bold]{escape(ckpt)}[/]  {res.arch}, {res.num_classes} classes, "
-        f"{len(res.predictions)} image(s)"
+        styled(
+            (ckpt, "bold"),
+            f"  {res.arch}, {res.num_classes} classes, {len(res.predictions)} image(s)",
+        )
     )
-    out.print(f"preprocessing: {escape(res.preprocessing)}")
-    out.print(f"score: {escape(res.score_description)}")
+    out.print(f"preprocessing: {res.preprocessing}")
+    out.print(f"score: {res.score_description}")
     out.print(predict_table(f"Top-{res.top_k} classes", res.to_dict()["images"]))
     if res.skipped:
         note(f"skipped {len(res.skipped)} file(s); see the warnings above")
@@ -138,13 +143,13 @@ def predict_table(title: str, predictions: Sequence[dict[str, Any]]) -> Table:
     for i, p in enumerate(predictions):
         for rank, top in enumerate(p["top"], 1):
             first = rank == 1
-            name = escape(str(top["class"]))
+            name = str(top["class"])
             t.add_row(
-                escape(str(p["path"])) if first else "",
+                Text(str(p["path"])) if first else "",
                 str(rank),
-                f"[bold]{name}[/]" if first else name,
+                Text(name, style="bold" if first else ""),
                 f"{100 * top['score']:.1f}%",
-                escape(str(p["input"])) if first else "",
+                Text(str(p["input"])) if first else "",
                 end_section=rank == len(p["top"]) and i < len(predictions) - 1,
             )
     return t

@@ -16,7 +16,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from capsctl.views.common import err, fmt_pct
+from capsctl.views.common import err, fmt_pct, styled, warning_line
 
 __all__ = ["TrainProgress", "simple_progress"]
 
@@ -27,7 +27,7 @@ class TrainProgress:
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
+            TextColumn("{task.description}", style="bold", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
@@ -69,12 +69,15 @@ class TrainProgress:
                 if "val_accuracy" in e
                 else ""
             )
-            star = "  [green]best[/]" if e.get("best") else ""
+            star = ("  best", "green") if e.get("best") else ""
             if not self.quiet:
                 self.progress.console.print(
-                    f"epoch {e['epoch']:>3}/{e['epochs']}  loss {e['train_loss']:.4f}  "
-                    f"train acc {fmt_pct(e['train_accuracy'])}{val}  lr {e['lr']:.3g}  "
-                    f"{e['epoch_seconds']:.1f} s  {e['images_per_s']:.0f} img/s{star}"
+                    styled(
+                        f"epoch {e['epoch']:>3}/{e['epochs']}  loss {e['train_loss']:.4f}  "
+                        f"train acc {fmt_pct(e['train_accuracy'])}{val}  lr {e['lr']:.3g}  "
+                        f"{e['epoch_seconds']:.1f} s  {e['images_per_s']:.0f} img/s",
+                        star,
+                    )
                 )
         elif kind == "data" and not self.quiet:
             self.progress.console.print(
@@ -94,14 +97,14 @@ class TrainProgress:
                 )
             self.progress.update(self.task, completed=e["done"], total=e.get("total"))
         elif kind == "warning":
-            self.progress.console.print(f"[yellow]warning:[/] {e['message']}")
+            self.progress.console.print(warning_line(str(e["message"])))
 
 
 @contextmanager
 def simple_progress(description: str, quiet: bool = False) -> Iterator[Any]:
     """A progress bar for evaluation-like loops; yields an event callback."""
     progress = Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -120,7 +123,7 @@ def simple_progress(description: str, quiet: bool = False) -> Iterator[Any]:
                 task[key] = progress.add_task(key, total=total)
             progress.update(task[key], completed=e["step"], total=total)
         elif kind == "warning" and not quiet:
-            progress.console.print(f"[yellow]warning:[/] {e['message']}")
+            progress.console.print(warning_line(str(e["message"])))
 
     with progress:
         yield on_event
