@@ -6,11 +6,14 @@ compiler."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
+import pwd
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -442,8 +445,11 @@ def test_the_library_is_built_once_into_the_cache(
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     assert native.native_status().startswith("on")
-    built = list((tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left behind
+    built = sorted((tmp_path / "kernels").iterdir())
+    # no temporary file left behind: the library and the checksum written when it was built
+    assert [p.name for p in built[1:]] == [built[0].name + ".sha256"]
+    assert built[0].suffix == ".so"
+    built = built[:1]
     stamp = built[0].stat().st_mtime_ns
     native._load.cache_clear()
     assert native.native_status() == f"on ({built[0]})"
@@ -473,7 +479,7 @@ def test_a_change_to_any_source_builds_a_new_library(
             f.write("// changed\n")
         native._load.cache_clear()
         assert native.native_status().startswith("on")
-        assert len(list((tmp_path / "cache" / "kernels").iterdir())) == n, changed
+        assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == n, changed
 
 
 def _cpu_has_avx512() -> bool:
@@ -522,7 +528,8 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_folder(
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     status = native.native_status()
-    assert status.startswith(f"on ({temp / 'capsctl-kernels'}"), status
+    assert status.startswith(f"on ({temp / f'capsctl-kernels-{os.getuid()}'}"), status
+    assert stat.S_IMODE((temp / f"capsctl-kernels-{os.getuid()}").stat().st_mode) == 0o700
     _same_as_torch()
 
 
@@ -565,3 +572,287 @@ def test_a_failing_compiler_leaves_the_torch_code_and_no_file(
     assert status.startswith("off (") and "out of luck" in status, status
     assert not any((cache / "kernels").iterdir())  # the temporary output was removed
     _same_as_torch()
+
+
+# -- what is loaded, and only after checks (issue 26: planted, truncated and fake libraries) --
+
+
+@pytest.fixture(scope="module")
+def real_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A library built once for this module's tests from the real sources (in a cache of its own,
+    never the user's); the tests below hand out copies of it through a fake compiler."""
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    cache = tmp_path_factory.mktemp("built")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.CACHE_ENV, str(cache))
+        mp.delenv(native.NATIVE_ENV, raising=False)
+        native._load.cache_clear()
+        status = native.native_status()
+        native._load.cache_clear()
+    assert status.startswith("on ("), status
+    return Path(status[len("on (") : -1])
+
+
+def _c_library(tmp_path: Path, name: str, source: str) -> Path:
+    """A shared library compiled from the C ``source`` (a few milliseconds)."""
+    src, out = tmp_path / f"{name}.c", tmp_path / f"{name}.so"
+    src.write_text(source)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(out)], check=True)
+    return out
+
+
+def _planted(tmp_path: Path) -> tuple[Path, Path]:
+    """Another user's library: its constructor writes a marker file when it is loaded."""
+    marker = tmp_path / "planted-code-ran"
+    source = (
+        "#include <stdio.h>\n"
+        "__attribute__((constructor)) static void planted(void) {\n"
+        f'  FILE* f = fopen("{marker}", "w"); if (f) fclose(f);\n'
+        "}\n"
+        "int capsctl_kernels_abi(void) { return 6; }\n"
+    )
+    return _c_library(tmp_path, "planted", source), marker
+
+
+def _no_op_library(tmp_path: Path) -> Path:
+    """Every function of the library, doing nothing (what a fake compiler might make)."""
+    names = [
+        "routed_forward", "routed_backward", "weighted_forward", "weighted_backward",
+        "em_moments_forward", "em_moments_backward", "em_quad_forward", "em_quad_backward",
+        "gated_forward", "gated_backward", "layer_norm_forward", "layer_norm_backward",
+        "layer_norm_forward_layout", "layer_norm_backward_layout",
+    ]  # fmt: skip
+    body = "".join(f"void capsctl_{n}(void) {{}}\n" for n in names)
+    return _c_library(tmp_path, "no-op", "int capsctl_kernels_abi(void) { return 6; }\n" + body)
+
+
+def _fake_compiler(tmp_path: Path, library: Path) -> Path:
+    """A "compiler" that writes a copy of ``library`` to its ``-o`` argument."""
+    script = tmp_path / "fake-c++"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "fake c++ 1.0"; exit 0; fi\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then cp '
+        f'"{library}" "$2"; exit 0; fi; shift; done\n'
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def _fresh(monkeypatch: pytest.MonkeyPatch, cxx: str, cache: Path, temp: Path) -> None:
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    monkeypatch.setenv("CXX", cxx)
+    monkeypatch.setenv(native.CACHE_ENV, str(cache))
+    temp.mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    native._load.cache_clear()
+
+
+def _name_for(monkeypatch: pytest.MonkeyPatch, cxx: str, tmp_path: Path) -> str:
+    """The file name the library gets with compiler ``cxx`` (built once in a scratch cache)."""
+    _fresh(monkeypatch, cxx, tmp_path / "scratch", tmp_path / "scratch-temp")
+    status = native.native_status()
+    assert status.startswith("on ("), status
+    return Path(status[len("on (") : -1]).name
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= 30]
+
+
+def test_a_library_planted_in_the_shared_temporary_folder_is_never_loaded(
+    real_library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    """Another user can write to /tmp: a library there under the expected name must not run,
+    and the user's own (writable) cache is where the library is built."""
+    fake = str(_fake_compiler(tmp_path, real_library))
+    name = _name_for(monkeypatch, fake, tmp_path)
+    planted, marker = _planted(tmp_path)
+    temp = tmp_path / "temp"
+    for folder in (temp / "capsctl-kernels", temp / f"capsctl-kernels-{os.getuid()}"):
+        folder.mkdir(parents=True)
+        shutil.copy(planted, folder / name)
+    cache = tmp_path / "cache"
+    _fresh(monkeypatch, fake, cache, temp)
+    assert native.native_status() == f"on ({cache / 'kernels' / name})"
+    assert not marker.exists()
+    _same_as_torch()
+
+
+@pytest.mark.parametrize("how", ["writable by others", "owned by another user"])
+def test_a_folder_others_can_write_to_is_refused_with_a_warning(
+    how: str,
+    real_library: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_load: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if how == "owned by another user" and os.getuid() != 0:
+        pytest.skip("only root can give a folder to another user")
+    fake = str(_fake_compiler(tmp_path, real_library))
+    name = _name_for(monkeypatch, fake, tmp_path)
+    planted, marker = _planted(tmp_path)
+    cache, temp = tmp_path / "cache", tmp_path / "temp"
+    folders = [cache / "kernels", temp / f"capsctl-kernels-{os.getuid()}"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        shutil.copy(planted, folder / name)
+        if how == "writable by others":
+            folder.chmod(0o777)
+        else:
+            os.chown(folder, 12345, 12345)
+    _fresh(monkeypatch, fake, cache, temp)
+    caplog.set_level("WARNING", logger=native.__name__)
+    status = native.native_status()
+    assert status.startswith("off ("), status
+    assert not marker.exists()
+    for folder in folders:
+        (line,) = [m for m in _warnings(caplog) if str(folder) in m]
+        assert "\n" not in line and "chmod go-w" in line and native.CACHE_ENV in line
+    _same_as_torch()
+
+
+def test_another_users_file_in_the_private_cache_is_rebuilt_not_loaded(
+    real_library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    fake = str(_fake_compiler(tmp_path, real_library))
+    name = _name_for(monkeypatch, fake, tmp_path)
+    planted, marker = _planted(tmp_path)
+    cache = tmp_path / "cache"
+    (cache / "kernels").mkdir(parents=True, mode=0o700)
+    target = cache / "kernels" / name
+    shutil.copy(planted, target)
+    target.chmod(0o666)  # anyone may have written it
+    data = target.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    (cache / "kernels" / f"{name}.sha256").write_text(f"{digest} {len(data)}\n")
+    _fresh(monkeypatch, fake, cache, tmp_path / "temp")
+    assert native.native_status() == f"on ({target})"
+    assert not marker.exists()
+    assert stat.S_IMODE(target.stat().st_mode) & 0o022 == 0
+    _same_as_torch()
+
+
+def _status_in_a_new_process(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    code = "from capsctl.layers import native; print(native.native_status())"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_a_truncated_library_in_the_cache_is_rebuilt_with_one_warning(
+    real_library: Path, tmp_path: Path
+) -> None:
+    """A truncated library would kill the process with SIGBUS when loaded; it is checked
+    against the checksum written when it was built, and rebuilt."""
+    fake = _fake_compiler(tmp_path, real_library)
+    cache = tmp_path / "cache"
+    env = {"CXX": str(fake), native.CACHE_ENV: str(cache), "TMPDIR": str(tmp_path)}
+    env = {**env, native.NATIVE_ENV: "1"}
+    first = _status_in_a_new_process(env)
+    assert first.returncode == 0 and first.stdout.startswith("on ("), first
+    library = Path(first.stdout.strip()[len("on (") : -1])
+    assert library.with_name(library.name + ".sha256").is_file()
+    data = library.read_bytes()
+    library.write_bytes(data[: len(data) // 2])  # truncated in place
+    done = _status_in_a_new_process(env)
+    assert done.returncode == 0, done
+    assert done.stdout.strip() == f"on ({library})"
+    (line,) = done.stderr.strip().splitlines()
+    assert str(library) in line and "rebuilding" in line and "checksum" in line
+    assert library.read_bytes() == data
+
+
+def test_a_library_whose_loops_do_nothing_is_not_used(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_load: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fake compiler's no-op loops gave 10% accuracy and NaN losses: the self-test against
+    the torch code refuses them, the torch code runs, nothing is cached."""
+    fake = str(_fake_compiler(tmp_path, _no_op_library(tmp_path)))
+    cache = tmp_path / "cache"
+    _fresh(monkeypatch, fake, cache, tmp_path / "temp")
+    caplog.set_level("WARNING", logger=native.__name__)
+    status = native.native_status()
+    assert status.startswith("off (") and "differs from the torch code" in status, status
+    assert not native.usable(torch.zeros(1))
+    assert [p.name for p in (cache / "kernels").iterdir()] == []
+    assert any("torch code" in m and native.NATIVE_ENV in m for m in _warnings(caplog))
+    _same_as_torch()
+
+
+def test_a_cached_library_that_fails_its_self_test_is_rebuilt_once(
+    real_library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    fake = str(_fake_compiler(tmp_path, real_library))
+    name = _name_for(monkeypatch, fake, tmp_path)
+    cache = tmp_path / "cache"
+    (cache / "kernels").mkdir(parents=True, mode=0o700)
+    target = cache / "kernels" / name
+    shutil.copy(_no_op_library(tmp_path), target)
+    data = target.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    (cache / "kernels" / f"{name}.sha256").write_text(f"{digest} {len(data)}\n")
+    _fresh(monkeypatch, fake, cache, tmp_path / "temp")
+    assert native.native_status() == f"on ({target})"
+    assert target.read_bytes() == real_library.read_bytes()
+    _same_as_torch()
+
+
+def test_a_compiler_command_with_arguments(
+    real_library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    """``CXX="ccache g++"``: the first word is the program, the rest its arguments."""
+    fake = _fake_compiler(tmp_path, real_library)
+    _fresh(monkeypatch, f"env {fake}", tmp_path / "cache", tmp_path / "temp")
+    assert native.native_status().startswith(f"on ({tmp_path / 'cache'}"), native.native_status()
+    _same_as_torch()
+
+
+def test_the_first_build_is_announced_in_one_line(
+    real_library: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fresh_load: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = str(_fake_compiler(tmp_path, real_library))
+    cache = tmp_path / "cache"
+    _fresh(monkeypatch, fake, cache, tmp_path / "temp")
+    caplog.set_level("WARNING", logger=native.__name__)
+    assert native.native_status().startswith("on (")
+    (line,) = _warnings(caplog)
+    assert "compiling" in line and str(cache / "kernels") in line and "\n" not in line
+    caplog.clear()
+    native._load.cache_clear()
+    assert native.native_status().startswith("on (")
+    assert _warnings(caplog) == []  # from the cache: no notice
+
+
+@pytest.mark.parametrize("variable", ["HOME", "XDG_CACHE_HOME"])
+def test_an_empty_home_or_xdg_cache_home_counts_as_unset(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    monkeypatch.setenv(variable, "")
+    if variable == "XDG_CACHE_HOME":
+        monkeypatch.setenv("HOME", "/home/someone")
+        assert native._cache_dir() == Path("/home/someone/.cache/capsctl")
+        return
+    home = pwd.getpwuid(os.getuid()).pw_dir
+    assert native._cache_dir() == Path(home) / ".cache" / "capsctl"
+    assert native._cache_dir() != Path("/.cache/capsctl")

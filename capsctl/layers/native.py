@@ -9,6 +9,13 @@ with no dependency (not even torch's headers): built here with the system's C++ 
 about a second, cached per source, compiler and CPU, loaded with :mod:`ctypes` (which releases
 the GIL during a call, so the threads of capsctl/layers/chunks.py run their sites in parallel).
 
+Only from a folder of this user's that no other user can write to (``$CAPSCTL_CACHE``, else
+``$XDG_CACHE_HOME/capsctl`` or ``~/.cache/capsctl``, then ``$TMPDIR/capsctl-kernels-<uid>``;
+another is refused with a warning), only a file that matches the checksum written next to it
+when it was built (else it is rebuilt), and only after a self-test of every pass against the
+torch code (capsctl/layers/native_check.py). Warnings, and the notice of a first build, go to
+the ``logging`` logger of this module (one line each on stderr when nothing is configured).
+
 Used for float32 tensors on a CPU outside tracing and ``torch.compile``, when a compiler is found
 (``$CXX``, else ``c++``, ``g++`` or ``clang++``); the passes' bindings are in
 capsctl/layers/native_passes.py. Without one, or with ``CAPSCTL_NATIVE=0``, every
@@ -27,8 +34,11 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
+import pwd
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +48,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from capsctl.layers import native_check
 
 __all__ = [
     "CACHE_ENV",
@@ -52,7 +64,7 @@ __all__ = [
 #: Environment variable: ``0`` turns the compiled loops off (the torch code runs instead).
 NATIVE_ENV = "CAPSCTL_NATIVE"
 #: Environment variable: folder of compiled libraries (default ``$XDG_CACHE_HOME/capsctl`` or
-#: ``~/.cache/capsctl``, then a temporary folder where neither can be written).
+#: ``~/.cache/capsctl``, then a private temporary folder where neither can be used).
 CACHE_ENV = "CAPSCTL_CACHE"
 #: The sources built into the one library: the vote-sized passes and the poses' LayerNorm.
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("routing_kernels.cpp", "layer_norm.cpp"))
@@ -75,6 +87,7 @@ X86_FLAGS = ("-mprefer-vector-width=512",)
 ABI = 6
 COMPILE_TIMEOUT_S = 300
 
+log = logging.getLogger(__name__)
 _STATE = {"off": 0}  # open native_disabled() blocks
 _LOCK = threading.Lock()
 _I64 = ctypes.c_int64
@@ -93,22 +106,48 @@ def native_disabled() -> Iterator[None]:
             _STATE["off"] -= 1
 
 
-def _cache_dir() -> Path:
+def _home() -> str | None:
+    """The home folder: ``$HOME`` when set and not empty, else the password database's."""
+    home = os.environ.get("HOME", "").strip()
+    if home:
+        return home
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir or None
+    except KeyError:
+        return None
+
+
+def _cache_dir() -> Path | None:
+    """``$CAPSCTL_CACHE``, else ``$XDG_CACHE_HOME/capsctl`` (an absolute path), else
+    ``~/.cache/capsctl``; empty variables count as unset; None where there is no home."""
     env = os.environ.get(CACHE_ENV, "").strip()
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
-    return Path(base) / "capsctl"
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "capsctl"
+    home = _home()
+    return None if home is None else Path(home) / ".cache" / "capsctl"
 
 
-def _compiler() -> str | None:
-    env = os.environ.get("CXX", "").strip()
-    if env:
-        return shutil.which(env)
+def _folders() -> list[Path]:
+    """Where the library may live, best first: the cache, then a private temporary folder."""
+    cache = _cache_dir()
+    temp = Path(tempfile.gettempdir()) / f"capsctl-kernels-{os.getuid()}"
+    return ([cache / "kernels"] if cache is not None else []) + [temp]
+
+
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CXX`` (a command with arguments, e.g. ``ccache g++``), else
+    ``c++``, ``g++`` or ``clang++``; its program as a full path; None where none is found."""
+    words = shlex.split(os.environ.get("CXX", "").strip())
+    if words:
+        found = shutil.which(words[0])
+        return None if found is None else [found, *words[1:]]
     for name in ("c++", "g++", "clang++"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
 
 
@@ -134,12 +173,10 @@ def build_flags(machine: str | None = None) -> tuple[str, ...]:
     return FLAGS + (X86_FLAGS if arch in ("x86_64", "amd64") else ())
 
 
-def _build(cxx: str) -> Path:
-    """The compiled library for this source, compiler and CPU: from the cache, else built
-    into it (written under a temporary name and renamed, so that concurrent builds and an
-    interrupted one never leave a partial file under the final name)."""
+def _library_name(cxx: list[str]) -> str:
+    """The library's file name: a digest of the sources, flags, compiler version and CPU."""
     version = subprocess.run(
-        [cxx, "--version"], capture_output=True, text=True, timeout=60, check=False
+        [*cxx, "--version"], capture_output=True, text=True, timeout=60, check=False
     ).stdout
     digest = hashlib.sha256()
     sources = (*SOURCES, *HEADERS)
@@ -147,34 +184,89 @@ def _build(cxx: str) -> Path:
         digest.update(part)
     digest.update(version.encode())
     digest.update(_cpu_key().encode())
-    name = f"routing_kernels-{digest.hexdigest()[:16]}.so"
-    folders = [_cache_dir() / "kernels", Path(tempfile.gettempdir()) / "capsctl-kernels"]
-    for folder in folders:
-        if (folder / name).is_file():
-            return folder / name
+    return f"routing_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _refuse(path: Path, why: str) -> None:
+    log.warning(
+        "not loading the compiled routing loops from %s: it %s; make it private "
+        "(chown to yourself, chmod go-w) or set %s to a private folder",
+        path,
+        why,
+        CACHE_ENV,
+    )
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """Load, bind and self-test the library at ``path`` (RuntimeError where it fails)."""
+    lib = _bind(ctypes.CDLL(str(path)))
+    native_check.self_test(lib)
+    return lib
+
+
+def _build(cxx: list[str], library: Path) -> ctypes.CDLL:
+    """Compile the library to a temporary file next to ``library``, load and self-test it,
+    record its checksum and rename it to ``library`` (so that concurrent builds and an
+    interrupted one never leave a partial file under the final name, and a library that fails
+    its self-test is never cached)."""
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        cmd = [*cxx, *build_flags(), *map(str, SOURCES), "-o", tmp, "-lm"]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"{Path(cxx[0]).name} failed: {last}")
+        os.chmod(tmp, 0o755)  # the linker may have made it with the user's umask
+        lib = _open(Path(tmp))
+        native_check.write_checksum(library, Path(tmp))
+        os.replace(tmp, library)
+        return lib
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _private_folders() -> Iterator[Path]:
+    """The folders of :func:`_folders` this user owns and no other can write to, created
+    (private) where missing; a warning for each one refused."""
+    for folder in _folders():
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue  # cannot be made here (read-only, or a file in the way): the next one
+        why = native_check.unsafe(folder, folder=True)
+        if why is None:
+            yield folder
+        else:
+            _refuse(folder, why)
+
+
+def _cached_or_built(cxx: list[str]) -> tuple[ctypes.CDLL, Path]:
+    """The verified library of the first private folder that has or can build one."""
+    name = _library_name(cxx)
     errors = []
-    for folder in folders:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as exc:
-            errors.append(f"{folder}: {exc.strerror}")
+    for folder in _private_folders():
+        library = folder / name
+        why = native_check.verify(library)
+        if why is None:
+            try:
+                return _open(library), library
+            except (OSError, RuntimeError) as exc:
+                why = f"it failed its self-test ({exc})"
+        if not os.access(folder, os.W_OK):
+            errors.append(f"{folder}: not writable")
             continue
-        try:
-            cmd = [cxx, *build_flags(), *map(str, SOURCES), "-o", tmp, "-lm"]
-            done = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+        if why == "missing":
+            log.warning(
+                "compiling the routing loops for this CPU (once, about 15 s) into %s", folder
             )
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                raise RuntimeError(f"{Path(cxx).name} failed: {last}")
-            os.replace(tmp, folder / name)
-            return folder / name
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    raise RuntimeError("no writable cache folder (" + "; ".join(errors) + ")")
+        else:
+            log.warning("rebuilding the compiled routing loops %s: %s", library, why)
+        return _build(cxx, library), library
+    raise RuntimeError("no private cache folder (" + "; ".join(errors or ["none found"]) + ")")
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -221,17 +313,24 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    """The library and a one-line status (built once per process; never raises)."""
+    """The library and a one-line status (built once per process; never raises). A library
+    that fails a check (capsctl/layers/native_check.py) is not used: a warning, torch code."""
     if os.environ.get(NATIVE_ENV, "").strip() == "0":
         return None, f"off ({NATIVE_ENV}=0)"
     cxx = _compiler()
     if cxx is None:
         return None, "off (no C++ compiler found; set CXX or install g++)"
     try:
-        path = _build(cxx)
-        return _bind(ctypes.CDLL(str(path))), f"on ({path})"
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"off ({exc})"
+        lib, path = _cached_or_built(cxx)
+        return lib, f"on ({path})"
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+        status = f"off ({exc})"
+    log.warning(
+        "the compiled routing loops are %s; running the torch code instead (set %s=0 to skip them)",
+        status,
+        NATIVE_ENV,
+    )
+    return None, status
 
 
 def native_status() -> str:
