@@ -94,3 +94,22 @@ def test_the_environment_changes_the_tiles_of_a_routed_pass(
     monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "1")
     small = routing._tiles(288, 1568, 32, 16, 4, budget=routing.tile_budget(x))
     assert small[0] * small[1] < big[0] * big[1]
+
+
+@pytest.mark.parametrize("bad", ["abc", "0", "-2", "1.5", "two"])
+def test_a_bad_routing_thread_count_is_a_usage_error(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", bad)
+    with pytest.raises(UsageError) as info:
+        chunks.site_workers(torch.zeros(1))
+    message = str(info.value)
+    assert "CAPSCTL_ROUTING_THREADS" in message and repr(bad) in message
+    assert "positive whole number" in message and "\n" not in message
+
+
+def test_an_empty_routing_thread_count_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", " ")
+    assert chunks.site_workers(torch.zeros(1)) == max(1, torch.get_num_threads())
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", " 3 ")
+    assert chunks.site_workers(torch.zeros(1)) == 3

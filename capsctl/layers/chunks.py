@@ -140,13 +140,18 @@ def site_workers(like: Tensor) -> int:
     dimension of 4 to 16, element-wise products and sums over a few MiB) are too short for
     torch's own threads to pay off: on 2 cores two threads ran them 0.9-1.7x as fast as one,
     while two threads each running its own kernels single-threaded did 1.9x the work of one in
-    the same time. 1 on accelerators and inside a worker thread.
+    the same time. 1 on accelerators and inside a worker thread. Raises
+    :class:`~capsctl.errors.UsageError` for a ``CAPSCTL_ROUTING_THREADS`` that is not a positive
+    whole number.
     """
     if like.device.type != "cpu" or getattr(_WORKER, "active", False):
         return 1
     env = os.environ.get(THREADS_ENV, "").strip()
-    n = int(env) if env.isdigit() and int(env) > 0 else torch.get_num_threads()
-    return max(1, n)
+    if not env:
+        return max(1, torch.get_num_threads())
+    if not (env.isdigit() and int(env) > 0):
+        raise UsageError(f"{THREADS_ENV} must be a positive whole number of threads, got {env!r}")
+    return int(env)
 
 
 def site_spans(bsz: int, bc: int, workers: int) -> list[tuple[int, int]]:
