@@ -10,6 +10,7 @@ with :class:`rich.text.Text` (:func:`styled`), never with markup in a string.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -43,9 +44,22 @@ def spinner(message: str) -> Status:
     return err.status(Text(message), spinner="dots")
 
 
+def _finite(doc: Any) -> Any:
+    """``doc`` with every NaN or infinite float (JSON has neither) as None."""
+    if isinstance(doc, float) and not math.isfinite(doc):
+        return None
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [_finite(v) for v in doc]
+    return doc
+
+
 def print_json(doc: Any) -> None:
-    """One JSON document on stdout and nothing else (rich would wrap long lines)."""
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    """One JSON document on stdout and nothing else (rich would wrap long lines); a NaN or
+    infinite number is written as null."""
+    text = json.dumps(_finite(doc), indent=2, default=str, allow_nan=False)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 
