@@ -8,6 +8,7 @@ paper's top-2 metric. The loss is the one the model trains with (see :mod:`capsc
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from capsctl.checkpoint import load_checkpoint, stored_preset
 from capsctl.data.prepare import prepare_data
 from capsctl.devices import autocast, resolve_device
-from capsctl.errors import UsageError
+from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.losses import EvalLoss, default_eval_loss, eval_loss, multi_hot, top2_correct
 
@@ -223,4 +224,18 @@ def evaluate_checkpoint(
         flip=preset.data.augment.test_flip,
         on_event=on_event,
     )
+    _check_finite(result, path)
     return result, meta
+
+
+def _check_finite(result: EvalResult, path: str | Path) -> None:
+    """:class:`CapsctlError` naming the loss or metrics that came out NaN or infinite."""
+    values = {"loss": result.loss, "accuracy": result.accuracy, "top5": result.top5}
+    bad = [name for name, v in values.items() if not math.isfinite(v)]
+    bad += [] if all(map(math.isfinite, result.per_class)) else ["per-class accuracy"]
+    if bad:
+        raise CapsctlError(
+            f"{path}: the {' and '.join(bad)} on the {result.split} split are not finite (the "
+            "model gives NaN or infinite outputs); check the checkpoint, or rerun with "
+            "CAPSCTL_NATIVE=0 to rule out the compiled routing loops"
+        )
