@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -386,3 +387,65 @@ def test_error_note_and_warning_lines_show_the_message_verbatim(
         "z[/red] is [i]odd",
         "warning: w[/] and [link]",
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Tables at 80 and 200 columns: numbers never cut (issue 26, finding 8)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def terminal_width(monkeypatch: pytest.MonkeyPatch):
+    """Set the width of the stdout console, as a terminal of that many columns would."""
+    from capsctl.views.common import out
+
+    def set_width(columns: int) -> None:
+        monkeypatch.setattr(out, "width", columns)
+
+    return set_width
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_predict_table_keeps_classes_and_scores_with_long_paths(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str], terminal_width, columns: int
+) -> None:
+    image_module = pytest.importorskip("PIL.Image")
+    folder = Path("data", *[f"deep-folder-{i:02d}" for i in range(5)])
+    folder.mkdir(parents=True)
+    for i in range(3):
+        image_module.new("L", (28, 28), 40 * i).save(folder / f"image-number-{i}.png")
+    ckpt = tiny_checkpoint()
+    terminal_width(columns)
+    code, out, err = run(capsys, "predict", str(ckpt), str(folder), "-k", "2", "--device", "cpu")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert all(len(line) <= columns for line in lines)
+    rows = [line for line in lines if re.search(r"│ [12] │", line)]
+    assert len(rows) == 6
+    for line in rows:  # class and score are whole in every row
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        assert re.fullmatch(r"\d{1,3}\.\d%", cells[3]) and cells[2], line
+    for i in range(3):
+        shown = f"…/image-number-{i}.png" if columns == 80 else f"{folder}/image-number-{i}.png"
+        assert shown in out
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_eval_confusion_table_keeps_every_number_and_class(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str], terminal_width, columns: int
+) -> None:
+    ckpt = tiny_checkpoint()
+    code, out, err = run(capsys, "eval", str(ckpt), "--device", "cpu", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    terminal_width(columns)
+    code, out, err = run(capsys, "eval", str(ckpt), "--device", "cpu")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert all(len(line) <= columns for line in lines)
+    for name, acc, counts in zip(doc["classes"], doc["per_class"], doc["confusion"], strict=True):
+        rows = [line for line in lines if line.startswith(f"│ {name} ")]
+        cells = [c.strip() for row in rows for c in row.split("│")[2:-1]]
+        assert cells[:2] == [f"{100 * acc:.1f}%", str(sum(counts))], out
+        assert cells[2:] == [str(c) for c in counts], rows
+    assert "Ankle" in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.table import Table
+from rich.console import RenderableType
 
 from capsctl.views.common import fmt_bytes, fmt_pct, note, out, styled, table, warning_line
 
@@ -55,7 +55,7 @@ def print_inspection(result: Any) -> None:
         note(f"... and {len(result.written) - 3} more files")
 
 
-def _statistics_table(result: Any) -> Table:
+def _statistics_table(result: Any) -> RenderableType:
     rows = []
     for layer in result.layers:
         name = f"{layer.index}: {layer.kind} {layer.child_types}->{layer.parent_types}"
@@ -78,7 +78,7 @@ def _statistics_table(result: Any) -> Table:
     )
 
 
-def _children_table(result: Any) -> Table:
+def _children_table(result: Any) -> RenderableType:
     rows = []
     for im in result.images:
         kids = ", ".join(

@@ -16,10 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.status import Status
-from rich.table import Table
 from rich.text import Text
+
+from capsctl.views.tables import fit_tables
 
 
 def _width(stream: object) -> int | None:
@@ -107,16 +108,23 @@ def table(
     columns: Sequence[str],
     rows: Sequence[Sequence[Any]],
     right: Sequence[int] = (),
-) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
-    last = len(columns) - 1
-    for i, c in enumerate(columns):
-        t.add_column(
-            c,
-            justify="right" if i in right else "left",
-            no_wrap=i != last,
-            overflow="fold" if i != last else "ellipsis",
-        )
-    for r in rows:
-        t.add_row(*[str(v) for v in r])
-    return t
+    *,
+    key: int = 1,
+    shorten: Sequence[int] = (),
+    section_ends: Sequence[int] = (),
+) -> RenderableType:
+    """A table that fits the terminal (:func:`capsctl.views.tables.fit_tables`): the columns in
+    ``right`` are numbers and never cut, text wraps (``shorten``: paths, cut from the left),
+    and a table too wide even then folds into several, each repeating the first ``key``
+    columns. Cells are shown verbatim."""
+    tables = fit_tables(
+        title,
+        columns,
+        rows,
+        width=out.width,
+        right=right,
+        key=key,
+        shorten=shorten,
+        section_ends=section_ends,
+    )
+    return tables[0] if len(tables) == 1 else Group(*tables)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
+from rich.console import RenderableType
 from rich.text import Text
 
 from capsctl.views.common import fmt_pct, note, out, styled, table
@@ -33,7 +33,7 @@ def print_evaluation(ckpt: str, meta: dict[str, Any], res: Any) -> None:
     out.print(_per_class_table(res))
 
 
-def _per_class_table(res: Any) -> Table:
+def _per_class_table(res: Any) -> RenderableType:
     if not res.confusion:  # multi-label data: per-class recall only
         rows = [[c, fmt_pct(r, 1)] for c, r in zip(res.classes, res.per_class, strict=True)]
         return table("Per-class recall", ["class", "recall"], rows, right=(1,))
@@ -129,27 +129,32 @@ def eval_csv(checkpoint: str, meta: dict[str, Any], result: dict[str, Any]) -> s
     return buf.getvalue()
 
 
-def predict_table(title: str, predictions: Sequence[dict[str, Any]]) -> Table:
-    """``capsctl predict``: one group of rows per image (its top-k classes, best first).
+def predict_table(title: str, predictions: Sequence[dict[str, Any]]) -> RenderableType:
+    """``capsctl predict``: one group of rows per image (its top-k classes, best first); long
+    paths are cut from the left, the scores always show whole.
 
     ``predictions``: the ``images`` entries of ``PredictResult.to_dict()``.
     """
-    t = Table(title=title, title_justify="left", header_style="bold")
-    t.add_column("image", no_wrap=True, overflow="fold")
-    t.add_column("#", justify="right", no_wrap=True)
-    t.add_column("class", no_wrap=True, overflow="fold")
-    t.add_column("score", justify="right", no_wrap=True)
-    t.add_column("input", overflow="fold")
-    for i, p in enumerate(predictions):
+    rows: list[list[Any]] = []
+    ends: list[int] = []
+    for p in predictions:
         for rank, top in enumerate(p["top"], 1):
             first = rank == 1
-            name = str(top["class"])
-            t.add_row(
-                Text(str(p["path"])) if first else "",
-                str(rank),
-                Text(name, style="bold" if first else ""),
-                f"{100 * top['score']:.1f}%",
-                Text(str(p["input"])) if first else "",
-                end_section=rank == len(p["top"]) and i < len(predictions) - 1,
+            rows.append(
+                [
+                    str(p["path"]) if first else "",
+                    rank,
+                    Text(str(top["class"]), style="bold" if first else ""),
+                    f"{100 * top['score']:.1f}%",
+                    str(p["input"]) if first else "",
+                ]
             )
-    return t
+        ends.append(len(rows) - 1)
+    return table(
+        title,
+        ["image", "#", "class", "score", "input"],
+        rows,
+        right=(1, 3),
+        shorten=(0,),
+        section_ends=ends,
+    )
