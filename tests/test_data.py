@@ -515,6 +515,27 @@ def test_download_cifar_from_file_url(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [e["event"] for e in events] == ["dataset"]
 
 
+@pytest.mark.parametrize("name", ["cifar10", "mnist", "fashion-mnist"])
+def test_a_failed_download_removes_only_the_folders_it_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setattr(dl, "_urlopen", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    fresh = tmp_path / "fresh" / "data"
+    with pytest.raises(DataError, match="could not download"):
+        load_dataset(name, "train", fresh)
+    assert not (tmp_path / "fresh").exists()
+    shared = tmp_path / "shared"  # like CAPSCTL_DATA: it exists and holds other data
+    (shared / "other").mkdir(parents=True)
+    monkeypatch.setenv("CAPSCTL_DATA", str(shared))
+    with pytest.raises(DataError, match="could not download"):
+        load_dataset(name, "test")
+    assert sorted(p.name for p in shared.iterdir()) == ["other"]
+    (shared / name).mkdir()  # a folder the user made is kept, even when empty
+    with pytest.raises(DataError, match="could not download"):
+        load_dataset(name, "test")
+    assert (shared / name).is_dir()
+
+
 def test_download_md5_mismatch_and_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = dl.CIFAR_ARCHIVES["cifar10"]
     tar_path = _cifar_tarball(tmp_path)
@@ -523,7 +544,7 @@ def test_download_md5_mismatch_and_failure(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setitem(dl.CIFAR_ARCHIVES, "cifar10", bad)
     with pytest.raises(DataError, match="md5 mismatch"):
         load_dataset("cifar10", "train", root)
-    assert not any((root / "cifar10").iterdir())  # no partial file left behind
+    assert not root.exists()  # no partial file, nor the folders the download created
     missing = dl.Remote(((tmp_path / "nope.tar.gz").as_uri(),), "cifar-10-python.tar.gz", "0" * 32)
     monkeypatch.setitem(dl.CIFAR_ARCHIVES, "cifar10", missing)
     with pytest.raises(DataError, match=r"could not download CIFAR-10.*looked in: .*data") as e:

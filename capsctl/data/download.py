@@ -127,6 +127,24 @@ def _fetch(url: str, dest: Path, expected_md5: str, on_event: EventFn) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty; a non-empty one stops it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def download_file(
     remote: Remote,
     dest_dir: str | Path,
@@ -139,18 +157,20 @@ def download_file(
 
     Mirrors are tried in order. The file appears under its final name only after its md5
     matched, so an interrupted download never leaves a file that looks complete. If the file
-    is already there with the right md5 it is reused. When every mirror fails, raises
-    :class:`DataError` saying why, where the data was looked for (``looked_in``) and how to
-    provide ``what`` by hand.
+    is already there with the right md5 it is reused. When every mirror fails, the folders
+    this call created are removed again (those still empty) and :class:`DataError` says why,
+    where the data was looked for (``looked_in``) and how to provide ``what`` by hand.
     """
     dest_dir = Path(dest_dir)
     dest = dest_dir / remote.filename
     if dest.is_file() and md5_of(dest) == remote.md5:
         return dest
     where = ", ".join(str(p) for p in looked_in) or str(dest_dir)
+    created = _missing_folders(dest_dir)
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        _remove_empty(created)
         raise DataError(
             f"cannot create {dest_dir} to download {what} ({e.strerror or e}); looked in: "
             f"{where}; put {what} there yourself or choose another data dir (CAPSCTL_DATA)"
@@ -167,6 +187,7 @@ def download_file(
             continue
         emit(on_event, "downloaded", url=url, path=str(dest))
         return dest
+    _remove_empty(created)
     raise DataError(
         f"could not download {what} ({'; '.join(reasons)}); looked in: {where}; download "
         f"{remote.filename} yourself into one of those folders or set CAPSCTL_DATA to a folder "
