@@ -184,9 +184,13 @@ def evaluate_checkpoint(
     on_event: EventFn = None,
 ) -> tuple[EvalResult, dict[str, Any]]:
     """Rebuild the model and its data from a checkpoint (or model folder) alone and evaluate
-    one split; returns the result and the checkpoint's metadata."""
+    one split; returns the result and the checkpoint's metadata. ``split="test"`` reads only
+    the test images; ``"val"`` reads the training images to hold out the validation split.
+    A ``batch_size`` below 1 is a :class:`UsageError`."""
     if split not in ("val", "test"):
         raise UsageError(f"--split {split}: expected val or test")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     dev = resolve_device(device)
     model, meta = load_checkpoint(path, device=dev)
     preset = stored_preset(meta, Path(path))
@@ -198,9 +202,9 @@ def evaluate_checkpoint(
         raise UsageError(
             f"{path}: this run had no validation split (data.val_size = 0); use --split test"
         )
-    data = prepare_data(preset, on_event)
+    data = prepare_data(preset, on_event, need_train=split != "test")
     stored = meta.get("dataset_fingerprint")
-    if stored and stored != data.fingerprint:
+    if stored and data.fingerprint is not None and stored != data.fingerprint:
         emit(
             on_event,
             "warning",

@@ -40,8 +40,9 @@ def eager_routing() -> Iterator[None]:
 @pytest.fixture
 def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     """A writer of untrained tiny capsule-net checkpoints for the embedded Fashion-MNIST subset
-    (28x28 gray, 10 classes; ``classes`` renames them), made in well under a second:
-    ``tiny_checkpoint(path=None, classes=None) -> path``."""
+    (28x28 gray, 10 classes; ``classes`` renames them; ``dataset`` names another 28x28 gray
+    10-class dataset such as mnist), made in well under a second:
+    ``tiny_checkpoint(path=None, classes=None, dataset=None) -> path``."""
     import torch
 
     from capsctl.checkpoint import model_tensors, save_checkpoint
@@ -49,7 +50,11 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
     from capsctl.data.catalog import FASHION_MNIST_CLASSES
     from capsctl.models import build_model_from_config
 
-    def write(path: Path | None = None, classes: Sequence[str] | None = None) -> Path:
+    def write(
+        path: Path | None = None,
+        classes: Sequence[str] | None = None,
+        dataset: str | None = None,
+    ) -> Path:
         path = tmp_path / "tiny.safetensors" if path is None else path
         cfg = resolve_config(
             {
@@ -63,7 +68,7 @@ def tiny_checkpoint(tmp_path: Path) -> Callable[..., Path]:
         torch.manual_seed(0)
         model = build_model_from_config(cfg)
         preset = Preset(name="tiny", model=cfg)
-        preset.data.dataset = "fashion-mnist-quickstart"
+        preset.data.dataset = dataset or "fashion-mnist-quickstart"
         preset.data.normalization = "fashion-mnist"
         preset.data.val_size = 200
         metadata = {

@@ -831,3 +831,26 @@ def test_quickstart_file_is_reproduced_by_its_script(tmp_path: Path) -> None:
         assert sorted(new.files) == sorted(old.files)
         for key in new.files:
             assert np.array_equal(new[key], old[key]), key
+
+
+def test_too_few_images_for_a_batch_gives_advice_a_user_can_follow() -> None:
+    from capsctl.data import Loader
+
+    ds = tiny_dataset(10)
+    with pytest.raises(DataError) as info:
+        Loader(ds, 16, shuffle=True, mean=[0.5] * 3, std=[0.25] * 3, drop_last=True)
+    message = str(info.value)
+    assert "10 images" in message and "--batch-size" in message and "data.val_size" in message
+    assert "drop_last" not in message and "\n" not in message
+
+
+def test_a_val_size_leaving_no_training_images_says_what_to_set() -> None:
+    from capsctl.config import load_preset
+    from capsctl.data.prepare import prepare_data
+    from capsctl.errors import ConfigError
+
+    preset = load_preset("quickstart", ["data.val_size=100000"])
+    with pytest.raises(ConfigError) as info:
+        prepare_data(preset)
+    message = str(info.value)
+    assert "data.val_size: 100000" in message and "--set data.val_size=" in message

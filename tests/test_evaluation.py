@@ -1,37 +1,72 @@
-"""capsctl/evaluation.py: what ``capsctl eval`` reports, and refuses to."""
+"""``capsctl eval`` and evaluate_checkpoint: which data it reads, what it refuses."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+import numpy as np
 import pytest
-import torch
-from test_training import tiny_preset
 
-from capsctl import evaluation
-from capsctl.errors import CapsctlError
-from capsctl.training import BEST, fit
+from capsctl.cli import main
+from capsctl.data import download as dl
+from capsctl.errors import CapsctlError, UsageError
+from capsctl.evaluation import evaluate_checkpoint
 
 
-def test_a_non_finite_loss_is_an_error_not_a_result(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_idx(path: Path, arr: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    path.write_bytes(header + arr.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("network disabled in tests")
+
+    monkeypatch.setattr(dl, "_urlopen", refuse)
+
+
+def test_the_test_split_needs_only_the_test_files(
+    tiny_checkpoint, tmp_path: Path, offline: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A model that gives NaN (a broken library of compiled loops gave 10% accuracy and a
-    NaN loss with exit code 0) must not produce a result that looks like one."""
-    fit(tiny_preset(epochs=1, steps_per_epoch=2), tmp_path)
-    real = evaluation.load_checkpoint
+    data = tmp_path / "data"
+    (data / "mnist").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    write_idx(data / "mnist" / "t10k-images-idx3-ubyte", rng.integers(0, 256, (30, 28, 28)))
+    write_idx(data / "mnist" / "t10k-labels-idx1-ubyte", np.arange(30) % 10)
+    ckpt = tiny_checkpoint(dataset="mnist")
+    result, _ = evaluate_checkpoint(ckpt, data_dir=str(data), device="cpu")
+    assert result.split == "test" and result.count == 30 and len(result.classes) == 10
+    code, out, err = run(capsys, "eval", str(ckpt), "--data-dir", str(data), "--device", "cpu")
+    assert code == 0, err
+    assert "test split of mnist: 30 images" in out
+    with pytest.raises(CapsctlError, match="train-images-idx3-ubyte"):  # val is held out of train
+        evaluate_checkpoint(ckpt, data_dir=str(data), split="val", device="cpu")
 
-    def poisoned(*args: Any, **kwargs: Any) -> Any:
-        model, meta = real(*args, **kwargs)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float("nan"))
-        return model, meta
 
-    monkeypatch.setattr(evaluation, "load_checkpoint", poisoned)
-    with pytest.raises(CapsctlError) as info:
-        evaluation.evaluate_checkpoint(tmp_path / BEST, split="test", device="cpu")
-    message = str(info.value)
-    assert str(tmp_path / BEST) in message and "loss" in message and "not finite" in message
-    assert "CAPSCTL_NATIVE=0" in message and "\n" not in message
+@pytest.mark.parametrize("size", ["0", "-3"])
+@pytest.mark.parametrize("command", ["eval", "predict", "bench", "compare"])
+def test_batch_sizes_below_one_are_usage_errors(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str], command: str, size: str
+) -> None:
+    ckpt = str(tiny_checkpoint())
+    target = {"eval": [ckpt], "predict": [ckpt, "img.png"], "bench": ["resnet18"]}
+    args = [command, *target.get(command, ["caps"]), "--batch-size", size]
+    code, _, err = run(capsys, *args)
+    assert code == 2 and "--batch-size" in err and size in err, err
+    assert "must be >= 1" in err and len(err.strip().splitlines()) == 1
+
+
+def test_evaluate_checkpoint_refuses_batch_size_zero(tiny_checkpoint) -> None:
+    with pytest.raises(UsageError, match=r"--batch-size 0: must be >= 1"):
+        evaluate_checkpoint(tiny_checkpoint(), batch_size=0, device="cpu")

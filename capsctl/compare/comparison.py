@@ -56,6 +56,8 @@ def compare(
         specs = [specs]
     if not specs:
         raise UsageError("nothing to compare; pass at least one model, preset or checkpoint")
+    if batch_size < 1:  # refused even without --speed: a mistake either way
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     if speed:
         _check_speed_options(batch_size, iters, device)
     targets = [find_target(s) for s in specs]

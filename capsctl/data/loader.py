@@ -91,9 +91,11 @@ class Loader:
             per_rank = math.ceil(n / world_size)
         num_batches = per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
         if num_batches == 0:
+            ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
             raise DataError(
-                f"dataset {ds.name!r} has {n} images: too few for one batch of {batch_size} on "
-                f"each of {world_size} rank(s); lower the batch size or turn off drop_last"
+                f"dataset {ds.name!r} has {n} images: too few for one batch of {batch_size}"
+                f"{ranks}; lower the batch size (--batch-size) or give the split more images "
+                "(for training: a smaller data.val_size, e.g. --set data.val_size=0)"
             )
 
         self.dataset = ds

@@ -25,31 +25,57 @@ class RunData:
     classes: list[str]
     mean: list[float]
     std: list[float]
-    fingerprint: str
+    fingerprint: str | None  # of the training images; None when only the test split was loaded
     test_name: str
 
 
 def prepare_data(preset: Preset, on_event: EventFn = None, *, need_train: bool = True) -> RunData:
-    """Load the preset's dataset, hold out the seeded validation split, keep test apart."""
+    """Load the preset's dataset, hold out the seeded validation split, keep test apart.
+
+    ``need_train=False`` loads the test split alone (``capsctl eval --split test``): ``train``
+    and ``val`` are None, the classes and checks come from the test images, and there is no
+    fingerprint (it is one of the training images).
+    """
     from capsctl.data import fingerprint, load_dataset, normalization_for, split_train_val
 
     d = preset.data
+    if not need_train:
+        test = _load(preset, "test", on_event)
+        mean, std = normalization_for(d.normalization, int(test.images.shape[1]))
+        _check_fits(preset, test)
+        return RunData(None, None, test, list(test.classes), list(mean), list(std), None, test.name)
     full = load_dataset(d.dataset, "train", d.data_dir, download=d.download, on_event=on_event)
-    test = load_dataset(
-        d.dataset, "test", d.data_dir, test_file=d.test_file, download=d.download, on_event=on_event
-    )
+    test = _load(preset, "test", on_event)
     if d.val_size >= len(full):
         raise ConfigError(
-            f"data.val_size: {d.val_size} leaves no training images (train has {len(full)})"
+            f"data.val_size: {d.val_size} leaves no training images (train has {len(full)}); "
+            f"set it below {len(full)}, e.g. --set data.val_size={len(full) // 10}"
         )
     if d.val_size > 0:
         train, val = split_train_val(full, d.val_size, preset.train.seed)
     else:
         train, val = full, None
-    channels = int(full.images.shape[1])
-    mean, std = normalization_for(d.normalization, channels)
-    m = preset.model
-    size = int(full.images.shape[-1])
+    mean, std = normalization_for(d.normalization, int(full.images.shape[1]))
+    _check_fits(preset, full)
+    return RunData(
+        train, val, test, list(full.classes), list(mean), list(std), fingerprint(full), test.name
+    )
+
+
+def _load(preset: Preset, split: str, on_event: EventFn) -> Any:
+    from capsctl.data import load_dataset
+
+    d = preset.data
+    test_file = d.test_file if split == "test" else None
+    return load_dataset(
+        d.dataset, split, d.data_dir, test_file=test_file, download=d.download, on_event=on_event
+    )
+
+
+def _check_fits(preset: Preset, ds: Any) -> None:
+    """ConfigError unless the model takes the images of ``ds`` and has one output per class."""
+    d, m = preset.data, preset.model
+    channels, size = int(ds.images.shape[1]), int(ds.images.shape[-1])
     if channels != m.in_channels:
         raise ConfigError(
             f"model.in_channels: {m.in_channels}, but {d.dataset} images have {channels} channels"
@@ -58,10 +84,7 @@ def prepare_data(preset: Preset, on_event: EventFn = None, *, need_train: bool =
         raise ConfigError(
             f"model.input_size: {m.input_size}, but {d.dataset} images are {size}x{size}"
         )
-    if len(full.classes) != m.num_classes:
+    if len(ds.classes) != m.num_classes:
         raise ConfigError(
-            f"model.num_classes: {m.num_classes}, but {d.dataset} has {len(full.classes)} classes"
+            f"model.num_classes: {m.num_classes}, but {d.dataset} has {len(ds.classes)} classes"
         )
-    return RunData(
-        train, val, test, list(full.classes), list(mean), list(std), fingerprint(full), test.name
-    )
