@@ -389,7 +389,7 @@ def test_inspect_checkpoint_is_inspect_routing_on_the_sampled_images(model, tmp_
     assert doc["checkpoint"] == str(ckpt) and doc["inputs"] == "2 random images (seed 3)"
     assert (doc["algorithm"], doc["coefficients"]) == ("idpa", "routing coefficients")
     assert {k: doc[k] for k in expected.to_dict()} == expected.to_dict()
-    assert torch.equal(result.raw_images, raw)
+    assert result.raw_images is None  # no image is kept beyond its batch
     assert result.layers == expected.layers and result.images == expected.images
     assert (result.iterations, result.routing, result.classes) == (3, "sequential", CLASSES)
     pictures = sorted(p.name for p in (tmp_path / "png").iterdir())
@@ -446,3 +446,246 @@ def test_bad_arguments(model) -> None:
     with pytest.raises(UsageError, match="labels"):
         inspect_routing(model, batch(), classes=CLASSES, labels=torch.tensor([0]))
     assert model.iterations == 2 and model.routing == "concurrent"
+
+
+# --------------------------------------------------------------------------------------------
+# Any number of images in bounded memory; outputs that never replace a file unasked
+# --------------------------------------------------------------------------------------------
+
+
+def _random_images(n: int, seed: int) -> torch.Tensor:
+    raw = torch.randint(
+        0, 256, (n, 1, SIZE, SIZE), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
+    return (raw.float() / 255.0 - 0.5) / 0.25
+
+
+def _concatenated(parts: list[RoutingReport]) -> tuple[list, list]:
+    """The raw coefficients and poses of several batches' reports as of one batch."""
+    coeffs = [
+        [torch.cat([p.coefficients[li][ti] for p in parts]) for ti in range(len(per))]
+        for li, per in enumerate(parts[0].coefficients)
+    ]
+    poses = [
+        [torch.cat([p.poses[li][ti] for p in parts]) for ti in range(len(per))]
+        for li, per in enumerate(parts[0].poses)
+    ]
+    return coeffs, poses
+
+
+@pytest.mark.parametrize("which", ["model", "fc_model"])
+def test_statistics_added_up_batch_by_batch_equal_those_of_all_images_at_once(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    from capsctl.inspection.pictures import _mean_matrix, matrix_sum
+    from capsctl.inspection.statistics import layer_routings
+    from capsctl.inspection.stream import RoutingTally
+
+    net = request.getfixturevalue(which)
+    images = _random_images(7, 5)
+    parts = [inspect_routing(net, images[b : b + 3], classes=CLASSES, top=3) for b in (0, 3, 6)]
+    tally = RoutingTally(3)
+    for part in parts:
+        tally.add(part)
+    coeffs, poses = _concatenated(parts)
+    whole = layer_routings(coeffs, poses, parts[0].kinds, parts[0].child_grids, 3)
+    got = tally.report()
+    assert len(got.layers) == len(whole)
+    for mine, want in zip(got.layers, whole, strict=True):
+        assert (mine.kind, mine.child_types, mine.parent_types) == (
+            want.kind,
+            want.child_types,
+            want.parent_types,
+        )
+        for a, b in zip(mine.iterations, want.iterations, strict=True):
+            assert a.iteration == b.iteration
+            for name in ("mean_entropy", "mean_max", "top_changed", "pose_stability"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None) == (y is None) and (
+                    x is None or math.isclose(x, y, abs_tol=1e-12)
+                )
+        assert [j for j, _ in mine.parents_receiving] == [j for j, _ in want.parents_receiving]
+        for (_, x), (_, y) in zip(mine.parents_receiving, want.parents_receiving, strict=True):
+            assert math.isclose(x, y, rel_tol=1e-12)
+    assert [im.index for im in got.images] == list(range(7))
+    assert [im.top_children for im in got.images] == [
+        im.top_children for p in parts for im in p.images
+    ]
+    whole_report = RoutingReport(
+        iterations=parts[0].iterations, routing=parts[0].routing, classes=CLASSES, layers=[],
+        images=[], coefficients=coeffs, kinds=parts[0].kinds, child_grids=parts[0].child_grids,
+    )  # fmt: skip
+    for li, per in enumerate(coeffs):
+        for ti in range(len(per)):
+            assert torch.allclose(tally.mean_matrix(li, ti), _mean_matrix(whole_report, li, ti))
+            assert matrix_sum(per[ti], parts[0].kinds[li], parts[0].child_grids[li])[1] > 0
+
+
+def test_a_streamed_inspection_is_the_inspection_of_all_images_at_once(
+    model, tmp_path: Path
+) -> None:
+    """Batches of 3 of 7 images: the same statistics, images and dump as one batch of 7 (to
+    float32 rounding: a batch's size may change the order of a convolution's sums)."""
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    result = inspect_checkpoint(
+        ckpt, random=7, seed=5, top=3, batch_size=3, dump=tmp_path / "streamed.safetensors"
+    )
+    expected = inspect_routing(model, _random_images(7, 5), classes=CLASSES, top=3)
+    dump_coefficients(expected, tmp_path / "whole.safetensors")
+    got, want = result.to_dict(), expected.to_dict()
+    assert len(got["layers"]) == len(want["layers"])
+    for a, b in zip(got["layers"], want["layers"], strict=True):
+        for s, t in zip(a["iterations"], b["iterations"], strict=True):
+            for k, v in s.items():
+                assert v == t[k] or math.isclose(v, t[k], abs_tol=1e-5), (k, v, t[k])
+    assert [im["predicted"] for im in got["images"]] == [im["predicted"] for im in want["images"]]
+    assert result.report.coefficients == [] and result.report.poses == []
+    with (
+        safe_open(str(tmp_path / "streamed.safetensors"), "pt") as s,
+        safe_open(str(tmp_path / "whole.safetensors"), "pt") as w,
+    ):
+        assert sorted(s.keys()) == sorted(w.keys()) and s.metadata() == w.metadata()
+        names = w.keys()
+        for key in names:
+            assert torch.allclose(s.get_tensor(key), w.get_tensor(key), atol=1e-5), key
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "streamed.safetensors", "tiny.safetensors", "whole.safetensors"
+    ]  # fmt: skip
+
+
+def test_random_images_in_batches_are_the_random_images_of_one_batch() -> None:
+    from capsctl.data.samples import sample_images
+    from capsctl.inspection.images import random_batches
+
+    meta = {
+        "in_channels": 3,
+        "input_size": 8,
+        "normalization": {"mean": [0.1] * 3, "std": [0.3] * 3},
+    }
+    whole = sample_images(meta, random=11, seed=4)
+    parts = list(random_batches(meta, 11, 4, 4))
+    assert [p.raw.shape[0] for p in parts] == [4, 4, 3]
+    assert torch.equal(torch.cat([p.raw for p in parts]), whole.raw)
+    assert torch.equal(torch.cat([p.normalized for p in parts]), whole.normalized)
+
+
+@pytest.mark.parametrize("count", [8, 40])
+def test_no_per_image_tensor_outlives_its_batch(
+    count: int, model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory does not grow with the number of images: every batch's routing trace is freed
+    once the batch is added up and dumped (``--random 100000`` was killed for memory)."""
+    import gc
+    import weakref
+
+    from capsctl.inspection import api
+
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    kept: list[weakref.ref] = []
+    sizes: list[int] = []
+    real = api.inspect_routing
+
+    def watched(net: torch.nn.Module, images: torch.Tensor, **kwargs: Any) -> RoutingReport:
+        report = real(net, images, **kwargs)
+        sizes.append(images.shape[0])
+        kept.extend(weakref.ref(t) for per in report.coefficients + report.poses for t in per)
+        kept.append(weakref.ref(images))
+        return report
+
+    monkeypatch.setattr(api, "inspect_routing", watched)
+    result = inspect_checkpoint(ckpt, random=count, batch_size=4, dump=tmp_path / "d.safetensors")
+    gc.collect()
+    assert max(sizes) <= 4 and sum(sizes) == count
+    assert [r for r in kept if r() is not None] == []
+    assert len(result.images) == count and result.raw_images is None
+
+
+def test_an_output_never_replaces_the_checkpoint_it_reads(model, tmp_path: Path) -> None:
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    before = ckpt.read_bytes()
+    for overwrite in (False, True):
+        with pytest.raises(UsageError) as info:
+            inspect_checkpoint(ckpt, random=2, dump=ckpt, overwrite=overwrite)
+        assert str(ckpt) in str(info.value) and "choose another file" in str(info.value)
+    assert ckpt.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.safetensors"]
+
+
+def test_an_existing_dump_is_replaced_only_with_overwrite(model, tmp_path: Path) -> None:
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    dump = tmp_path / "mine.safetensors"
+    dump.write_text("my own file")
+    with pytest.raises(UsageError) as info:
+        inspect_checkpoint(ckpt, random=2, dump=dump)
+    assert str(info.value) == f"--dump {dump}: exists; pass --overwrite to replace it"
+    assert dump.read_text() == "my own file"
+    inspect_checkpoint(ckpt, random=2, dump=dump, overwrite=True)
+    with safe_open(str(dump), "pt") as f:
+        assert f.metadata()["format"] == "capsctl-routing"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.safetensors", "tiny.safetensors"]
+
+
+def test_existing_pictures_are_replaced_only_with_overwrite_the_checkpoint_never(
+    model, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    png = tmp_path / "png"
+    png.mkdir()
+    (png / "image1_routing.png").write_text("my own picture")
+    with pytest.raises(UsageError) as info:
+        inspect_checkpoint(ckpt, random=2, png_dir=png)
+    path = png / "image1_routing.png"
+    assert str(info.value) == f"--png {path}: exists; pass --overwrite to replace it"
+    assert [p.name for p in png.iterdir()] == ["image1_routing.png"]
+    assert path.read_text() == "my own picture"
+    inside = png / "image0_routing.png"  # a checkpoint under the name of a picture
+    inside.write_bytes(ckpt.read_bytes())
+    with pytest.raises(UsageError, match="is the checkpoint being inspected; choose another"):
+        inspect_checkpoint(inside, random=2, png_dir=png, overwrite=True)
+    assert inside.read_bytes() == ckpt.read_bytes()
+    result = inspect_checkpoint(ckpt, random=2, png_dir=png, overwrite=True)
+    assert len(result.written) == 2 * 2 + 2 and path.read_bytes().startswith(b"\x89PNG")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from capsctl.cli import main
+
+    try:
+        main(["inspect-routing", *args])
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_refuses_to_dump_over_its_checkpoint(
+    model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    before = ckpt.read_bytes()
+    code, out, err = _cli(capsys, str(ckpt), "--random", "2", "--dump", str(ckpt), "--overwrite")
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert str(ckpt) in line and "choose another file" in line
+    assert ckpt.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--random", "-1"], ["--random -1", "at least 1"]),
+        (["--random", "0"], ["--random 0", "at least 1"]),
+        (["--indices", "5-2"], ["--indices 5-2", "write it as 2-5"]),
+    ],
+)
+def test_a_bad_image_count_or_a_reversed_range_is_a_usage_error(
+    args: list[str], words: list[str], model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
+    code, out, err = _cli(capsys, str(ckpt), *args)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert all(w in line for w in words), line
+    assert "Traceback" not in err

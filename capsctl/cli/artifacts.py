@@ -104,6 +104,12 @@ def inspect_cmd(
         Path | None,
         typer.Option("--png", help="Write heatmaps and overlays to DIR (needs capsctl[plot])."),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite", help="Replace existing --dump and --png files (never the checkpoint)."
+        ),
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """What the routing does: entropy, confidence, changes across iterations, which parents and
@@ -124,6 +130,7 @@ def inspect_cmd(
         top=top,
         dump=dump,
         png_dir=png,
+        overwrite=overwrite,
     )
     if json_out:
         print_json(result.to_dict())

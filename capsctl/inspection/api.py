@@ -9,7 +9,7 @@ as plain data, everything a view shows; nothing is printed.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,16 +17,30 @@ from typing import Any
 from torch import Tensor
 
 from capsctl.checkpoint import load_checkpoint, read_metadata
+from capsctl.data.samples import SampleImages
 from capsctl.devices import resolve_device
 from capsctl.errors import UsageError
-from capsctl.events import EventFn
-from capsctl.inspection.dump import dump_coefficients
-from capsctl.inspection.images import select_images
-from capsctl.inspection.pictures import write_pngs
+from capsctl.events import EventFn, emit
+from capsctl.inspection.dump import check_folder
+from capsctl.inspection.images import batches, check_random, random_batches, select_images
+from capsctl.inspection.pictures import (
+    figure_class,
+    heatmap_name,
+    images_hwc,
+    make_folder,
+    overlay_name,
+    write_heatmap,
+    write_overlay,
+)
 from capsctl.inspection.report import ImageRouting, LayerRouting, RoutingReport
+from capsctl.inspection.statistics import spatial_map
+from capsctl.inspection.stream import DumpWriter, RoutingTally
 from capsctl.inspection.trace import inspect_routing
 
-__all__ = ["InspectionResult", "inspect_checkpoint"]
+__all__ = ["BATCH_SIZE", "InspectionResult", "inspect_checkpoint"]
+
+#: Images per batch of :func:`inspect_checkpoint`.
+BATCH_SIZE = 64
 
 
 @dataclass
@@ -36,8 +50,9 @@ class InspectionResult:
     ``checkpoint``: the path as given. ``inputs``: what the images are (e.g. ``"2 test images
     of mnist (indices [0, 5])"``). ``report``: the routing statistics, per-image class routing
     and the raw trace (see :class:`~capsctl.inspection.report.RoutingReport`). ``written``: the
-    files written, the dump first, then the pictures. ``raw_images``: the un-normalized inputs,
-    uint8 ``[N, C, H, W]``, for pictures made later (not part of :meth:`to_dict`).
+    files written, the dump first, then the pictures. ``raw_images``: None from
+    :func:`inspect_checkpoint`, which keeps no image beyond its batch (not part of
+    :meth:`to_dict`).
     ``iterations``, ``routing``, ``classes``, ``layers`` and ``images`` are the report's.
     """
 
@@ -105,8 +120,10 @@ def inspect_checkpoint(
     top: int = 5,
     dump: str | os.PathLike[str] | None = None,
     png_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
     device: str = "cpu",
     seed: int = 0,
+    batch_size: int = BATCH_SIZE,
     on_event: EventFn = None,
 ) -> InspectionResult:
     """Inspect the routing of the capsule network in checkpoint ``ckpt`` on a few images.
@@ -115,38 +132,147 @@ def inspect_checkpoint(
     or ``image_files``, or ``random`` seeded random images (``seed``); at most one of the three.
     ``data_dir``: where the dataset lives. ``iterations``/``routing``: override T and the
     schedule. ``top``: how many parents/children to list. ``dump``: write the raw coefficients
-    to this safetensors file; ``png_dir``: write heatmaps and overlays there (needs matplotlib).
-    ``device``: where the model runs (``auto``, ``cpu``, ``cuda[:N]``, ``mps``). Emits
-    ``progress`` events (``task="pictures"``) while writing pictures. Raises
-    :class:`UsageError` for a missing checkpoint, a model without routing or bad options.
+    to this safetensors file; ``png_dir``: write heatmaps and overlays there (needs matplotlib);
+    an existing file is replaced only with ``overwrite``, the checkpoint never.
+    ``device``: where the model runs (``auto``, ``cpu``, ``cuda[:N]``, ``mps``). The images
+    run ``batch_size`` at a time: the statistics are added up and the dump and the overlays
+    written batch by batch, so memory does not grow with the number of images (only the
+    per-image summaries of the result do). Emits ``progress`` events (``task="pictures"``)
+    while writing pictures. Raises :class:`UsageError` for a missing checkpoint, a model
+    without routing, bad options or an output that exists (or is the checkpoint).
     """
     path = Path(ckpt)
     if not path.exists():
         raise UsageError(f"{ckpt}: no such file")
+    check_random(random)
+    if batch_size < 1:
+        raise UsageError(f"batch size must be >= 1, got {batch_size}")
+    dump_path = None if dump is None else Path(dump)
+    if dump_path is not None:
+        _check_output("--dump", dump_path, path, overwrite)
+        check_folder(dump_path)
     target = resolve_device(device)
-    sample = select_images(
-        read_metadata(path),
-        split=split,
-        indices=indices,
-        image_files=[Path(f) for f in image_files] if image_files else None,
-        random=random,
-        data_dir=data_dir,
-        seed=seed,
-    )
+    meta = read_metadata(path)
+    if random is not None and not indices and not image_files:
+        count, description = random, f"{random} random images (seed {seed})"
+        parts: Iterator[SampleImages] = random_batches(meta, random, seed, batch_size)
+    else:
+        sample = select_images(
+            meta,
+            split=split,
+            indices=indices,
+            image_files=[Path(f) for f in image_files] if image_files else None,
+            random=random,
+            data_dir=data_dir,
+            seed=seed,
+        )
+        count, description = sample.normalized.shape[0], sample.description
+        parts = batches(sample, batch_size)
     model, meta = load_checkpoint(path, device=target)
-    report = inspect_routing(
-        model,
-        sample.normalized,
-        labels=sample.labels,
-        classes=list(meta["classes"]),
-        iterations=iterations,
-        routing=routing,
-        top=top,
-    )
-    written: list[str] = []
-    if dump is not None:
-        dump_coefficients(report, dump)
-        written.append(str(dump))
-    if png_dir is not None:
-        written += [str(p) for p in write_pngs(report, sample.raw, png_dir, on_event=on_event)]
-    return InspectionResult(str(ckpt), sample.description, report, written, sample.raw)
+    run = _Run(path, count, dump_path, png_dir, overwrite, top, on_event)
+    try:
+        for part in parts:
+            report = inspect_routing(
+                model,
+                part.normalized,
+                labels=part.labels,
+                classes=list(meta["classes"]),
+                iterations=iterations,
+                routing=routing,
+                top=top,
+            )
+            run.add(report, part.raw)
+        report = run.finish()
+    except BaseException:
+        run.abort()
+        raise
+    return InspectionResult(str(ckpt), description, report, run.written, None)
+
+
+def _check_output(option: str, out: Path, ckpt: Path, overwrite: bool) -> None:
+    """:class:`UsageError` where ``out`` is the checkpoint ``ckpt`` (replaced never) or exists
+    without ``overwrite``."""
+    if not out.exists():
+        return
+    if os.path.samefile(out, ckpt):
+        raise UsageError(f"{option} {out}: is the checkpoint being inspected; choose another file")
+    if out.is_dir():
+        raise UsageError(f"{option} {out}: is a folder; choose a file name")
+    if not overwrite:
+        raise UsageError(f"{option} {out}: exists; pass --overwrite to replace it")
+
+
+class _Run:
+    """One inspection's batches: the tally, the dump and the pictures (capsctl/inspection/
+    stream.py, pictures.py); the output paths are checked before the first file is written."""
+
+    def __init__(
+        self,
+        ckpt: Path,
+        count: int,
+        dump: Path | None,
+        png_dir: str | os.PathLike[str] | None,
+        overwrite: bool,
+        top: int,
+        on_event: EventFn,
+    ) -> None:
+        self.ckpt, self.count, self.overwrite, self.on_event = ckpt, count, overwrite, on_event
+        self.tally = RoutingTally(top)
+        self.dump = None if dump is None else DumpWriter(dump, count, overwrite=overwrite)
+        self.png = None if png_dir is None else Path(png_dir)
+        self.figure: Any = None
+        self.pictures: list[Path] = []
+        self.steps = 0
+
+    def _check_pictures(self, report: RoutingReport) -> None:
+        assert self.png is not None
+        self.figure = figure_class()
+        names = [heatmap_name(li, ti + 1) for li, per in enumerate(report.coefficients)
+                 for ti in range(len(per))]  # fmt: skip
+        self.steps = len(names) + self.count
+        names += [overlay_name(i) for i in range(self.count)]
+        for name in names:
+            _check_output("--png", self.png / name, self.ckpt, self.overwrite)
+        make_folder(self.png)
+
+    def _picture(self, path: Path) -> None:
+        self.pictures.append(path)
+        emit(self.on_event, "progress", task="pictures", step=len(self.pictures), steps=self.steps)
+
+    def add(self, report: RoutingReport, raw: Tensor) -> None:
+        """One batch: its statistics, its coefficients into the dump, its overlays."""
+        if self.tally.first is None and self.png is not None:
+            self._check_pictures(report)
+        offset = len(self.tally.images)
+        self.tally.add(report)
+        if self.dump is not None:
+            self.dump.add(report)
+        if self.png is not None:
+            pictures = images_hwc(raw)  # [b, H, W, C]
+            for i, record in enumerate(report.images):
+                sm = spatial_map(report, i)  # [h, w]
+                self._picture(
+                    write_overlay(self.figure, record, sm, pictures[i], self.png, offset + i)
+                )
+
+    def finish(self) -> RoutingReport:
+        """The whole report; the dump renamed into place, the heatmaps written."""
+        report = self.tally.report()
+        if self.dump is not None:
+            self.dump.finish()
+        if self.png is not None:
+            for li, layer in enumerate(report.layers):
+                for ti in range(len(layer.iterations)):
+                    matrix = self.tally.mean_matrix(li, ti)  # [n, m]
+                    self._picture(write_heatmap(self.figure, report, matrix, li, ti, self.png))
+        return report
+
+    @property
+    def written(self) -> list[str]:
+        return ([str(self.dump.path)] if self.dump is not None else []) + list(
+            map(str, self.pictures)
+        )
+
+    def abort(self) -> None:
+        if self.dump is not None:
+            self.dump.abort()

@@ -26,15 +26,15 @@ from torch import Tensor
 from capsctl.atomic import write_atomic
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
-from capsctl.inspection.report import RoutingReport
+from capsctl.inspection.report import ImageRouting, RoutingReport
 from capsctl.inspection.statistics import spatial_map
 
-__all__ = ["write_pngs"]
+__all__ = ["matrix_sum", "write_heatmap", "write_overlay", "write_pngs"]
 
 PLOT_MISSING = "routing pictures need matplotlib: pip install 'capsctl[plot]'"
 
 
-def _figure_class() -> Any:
+def figure_class() -> Any:
     """matplotlib's ``Figure`` (no pyplot, no global state), or the pip hint as an error."""
     try:
         from matplotlib.figure import Figure
@@ -43,21 +43,27 @@ def _figure_class() -> Any:
     return Figure
 
 
+def matrix_sum(coeff: Tensor, kind: str, grid: tuple[int, int, int] | None) -> tuple[Tensor, int]:
+    """A batch's coefficients summed to ``[child types, parent types]`` (float64) and the count
+    of rows summed: their mean is the heatmap of :func:`write_pngs`."""
+    coeff = coeff.double()
+    m = coeff.shape[-1]
+    if kind == "conv":
+        rows = coeff.reshape(-1, coeff.shape[-2], m)  # [b, h, w, k, l, n, m] -> [b*h*w*k*l, n, m]
+        return rows.sum(0), rows.shape[0]
+    if grid is not None:
+        rows = coeff.reshape(coeff.shape[0], -1, grid[2], m)  # [b, h*w*n, m] -> [b, h*w, n, m]
+        return rows.sum((0, 1)), rows.shape[0] * rows.shape[1]
+    return coeff.sum(0), coeff.shape[0]  # [b, n, m] -> [n, m]
+
+
 def _mean_matrix(report: RoutingReport, li: int, ti: int) -> Tensor:
     """Batch-mean coefficients aggregated to ``[child types, parent types]``."""
-    coeff = report.coefficients[li][ti].double()
-    m = coeff.shape[-1]
-    grid = report.child_grids[li]
-    if report.kinds[li] == "conv":
-        n = coeff.shape[-2]
-        return coeff.reshape(-1, n, m).mean(0)  # [b, h, w, k, l, n, m] -> [b*h*w*k*l, n, m]
-    if grid is not None:
-        # [b, h*w*n, m] -> [b, h*w, n, m]
-        return coeff.reshape(coeff.shape[0], -1, grid[2], m).mean((0, 1))
-    return coeff.mean(0)  # [b, n, m] -> [n, m]
+    total, count = matrix_sum(report.coefficients[li][ti], report.kinds[li], report.child_grids[li])
+    return total / count
 
 
-def _images_hwc(images: Tensor | Any) -> Tensor:
+def images_hwc(images: Tensor | Any) -> Tensor:
     """Images as float ``[N, H, W, C]`` in [0, 1] (C = 1 or 3)."""
     x = torch.as_tensor(images).detach().cpu()
     if x.dim() == 3:
@@ -79,29 +85,40 @@ def _save_png(fig: Any, path: Path, metadata: dict[str, str]) -> None:
 
 
 def _layer_name(report: RoutingReport, li: int) -> str:
-    last = li == len(report.coefficients) - 1
+    last = li == len(report.kinds) - 1
     return f"layer {li} ({report.kinds[li]}{', class capsules' if last else ''})"
 
 
-def _write_heatmap(figure: Any, report: RoutingReport, li: int, ti: int, out: Path) -> Path:
-    """``routing_layer{li}_iter{ti + 1}.png``: the batch-mean coefficient matrix."""
-    matrix = _mean_matrix(report, li, ti).float().numpy()
+def heatmap_name(li: int, t: int) -> str:
+    return f"routing_layer{li}_iter{t}.png"
+
+
+def overlay_name(i: int) -> str:
+    return f"image{i}_routing.png"
+
+
+def write_heatmap(
+    figure: Any, report: RoutingReport, matrix: Tensor, li: int, ti: int, out: Path
+) -> Path:
+    """``routing_layer{li}_iter{ti + 1}.png``: the mean coefficient ``matrix [n, m]`` of layer
+    ``li`` (``report`` gives its kind, the classes and T)."""
+    matrix = matrix.float().numpy()
     n, m = matrix.shape
     fig = figure(figsize=(max(4.0, 1.0 + 0.3 * m), max(3.0, 1.0 + 0.25 * n)))
     ax = fig.add_subplot()
     im = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
     ax.set_ylabel("child capsule type")
-    if li == len(report.coefficients) - 1:
+    if li == len(report.kinds) - 1:
         ax.set_xlabel("class")
         ax.set_xticks(range(m), report.classes, rotation=45, ha="right")
     else:
         ax.set_xlabel("parent capsule type")
     t = ti + 1
-    ax.set_title(f"{_layer_name(report, li)}, iteration {t}/{len(report.coefficients[li])}")
+    ax.set_title(f"{_layer_name(report, li)}, iteration {t}/{report.iterations}")
     fig.colorbar(im, ax=ax, label="mean routing coefficient")
     fig.tight_layout()
     vmin, vmax = im.get_clim()
-    path = out / f"routing_layer{li}_iter{t}.png"
+    path = out / heatmap_name(li, t)
     metadata = {
         "Title": f"capsctl routing layer {li} iteration {t}",
         "capsctl:kind": "coefficients",
@@ -114,11 +131,12 @@ def _write_heatmap(figure: Any, report: RoutingReport, li: int, ti: int, out: Pa
     return path
 
 
-def _write_overlay(figure: Any, report: RoutingReport, i: int, picture: Tensor, out: Path) -> Path:
-    """``image{i}_routing.png``: the routing into the predicted class over image ``i``."""
-    record = report.images[i]
+def write_overlay(
+    figure: Any, record: ImageRouting, sm: Tensor, picture: Tensor, out: Path, i: int
+) -> Path:
+    """``image{i}_routing.png``: the routing ``sm [h, w]`` into the predicted class of image
+    ``i`` (``record``) over its ``picture [H, W, C]``."""
     height, width = picture.shape[:2]
-    sm = spatial_map(report, i)  # [h, w]
     up = F.interpolate(sm[None, None], size=(height, width), mode="bilinear", align_corners=False)
     fig = figure(figsize=(4.2, 3.6))
     ax = fig.add_subplot()
@@ -136,7 +154,7 @@ def _write_overlay(figure: Any, report: RoutingReport, i: int, picture: Tensor, 
     fig.colorbar(im, ax=ax, label=f"routing into {record.predicted_class}")
     fig.tight_layout()
     vmin, vmax = im.get_clim()
-    path = out / f"image{i}_routing.png"
+    path = out / overlay_name(i)
     metadata = {
         "Title": f"capsctl routing into the predicted class, image {i}",
         "capsctl:kind": "overlay",
@@ -146,6 +164,16 @@ def _write_overlay(figure: Any, report: RoutingReport, i: int, picture: Tensor, 
     }
     _save_png(fig, path, metadata)
     return path
+
+
+def make_folder(out_dir: str | os.PathLike[str]) -> Path:
+    """``out_dir``, created if missing (:class:`CapsctlError` naming it where it cannot be)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CapsctlError(f"cannot create the folder {out}: {e.strerror or e}") from None
+    return out
 
 
 def write_pngs(
@@ -164,18 +192,14 @@ def write_pngs(
     Emits a ``progress`` event (``task="pictures"``, ``step``, ``steps``) after each file.
     Returns the paths written. Needs matplotlib (:class:`CapsctlError` with the pip hint).
     """
-    figure = _figure_class()
-    pictures = _images_hwc(images)
+    figure = figure_class()
+    pictures = images_hwc(images)
     if pictures.shape[0] != len(report.images):
         raise UsageError(
             f"got {pictures.shape[0]} images for a report on {len(report.images)}; pass the "
             "same images"
         )
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CapsctlError(f"cannot create the folder {out}: {e.strerror or e}") from None
+    out = make_folder(out_dir)
     heatmap_count = sum(len(per) for per in report.coefficients) if heatmaps else 0
     steps = heatmap_count + (len(report.images) if overlays else 0)
     written: list[Path] = []
@@ -186,7 +210,8 @@ def write_pngs(
 
     for li in range(len(report.coefficients) if heatmaps else 0):
         for ti in range(len(report.coefficients[li])):
-            done(_write_heatmap(figure, report, li, ti, out))
+            done(write_heatmap(figure, report, _mean_matrix(report, li, ti), li, ti, out))
     for i in range(len(report.images) if overlays else 0):
-        done(_write_overlay(figure, report, i, pictures[i], out))
+        sm = spatial_map(report, i)  # [h, w]
+        done(write_overlay(figure, report.images[i], sm, pictures[i], out, i))
     return written

@@ -99,18 +99,27 @@ def _max_coefficient(coeff: Tensor) -> Tensor:
     return (r / r.sum(-1, keepdim=True)).amax(-1)
 
 
-def _top_changed(prev: Tensor, cur: Tensor) -> float:
+def _changed_children(prev: Tensor, cur: Tensor) -> Tensor:
+    """Per child 1.0 where its top parent at ``cur`` is not a top parent at ``prev`` (float64)."""
     p, c = _children(prev), _children(cur)
     top = c.argmax(-1, keepdim=True)
     was_top = p.gather(-1, top).squeeze(-1) >= p.amax(-1)
-    return float((~was_top).double().mean())
+    return (~was_top).double()
+
+
+def _top_changed(prev: Tensor, cur: Tensor) -> float:
+    return float(_changed_children(prev, cur).mean())
+
+
+def _pose_cosines(prev: Tensor, cur: Tensor) -> Tensor:
+    """Per parent the cosine similarity of its poses ``cur`` and ``prev`` (float64)."""
+    d = cur.shape[-1]
+    # [..., d] -> [parents, d]
+    return F.cosine_similarity(cur.reshape(-1, d).double(), prev.reshape(-1, d).double(), dim=-1)
 
 
 def _pose_stability(prev: Tensor, cur: Tensor) -> float:
-    d = cur.shape[-1]
-    # [..., d] -> [parents, d]
-    cos = F.cosine_similarity(cur.reshape(-1, d).double(), prev.reshape(-1, d).double(), dim=-1)
-    return _exact_mean(cos)
+    return _exact_mean(_pose_cosines(prev, cur))
 
 
 def iteration_stats(coeffs: Sequence[Tensor], poses: Sequence[Tensor]) -> list[IterationStats]:
