@@ -10,6 +10,7 @@ models, presets        :mod:`capsctl.cli.catalog`   ``model_summaries``, ``list_
 bench, compare         :mod:`capsctl.cli.measure`   ``run_bench``, ``compare``
 export, inspect, plot  :mod:`capsctl.cli.artifacts` ``export_checkpoint``, ``inspect_checkpoint``,
                                                     ``plot_runs``
+suite                  :mod:`capsctl.cli.suite`     ``run_suite``, ``report_suite``
 =====================  ===========================  ==========================================
 """
 
@@ -22,6 +23,7 @@ from capsctl.cli import evaluate  # noqa: F401
 from capsctl.cli import artifacts  # noqa: F401
 from capsctl.cli import measure  # noqa: F401
 from capsctl.cli import catalog  # noqa: F401
+from capsctl.cli import suite  # noqa: F401
 
 # isort: on
 from capsctl.cli.app import app, main

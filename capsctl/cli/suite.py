@@ -1,0 +1,186 @@
+"""``capsctl suite list|run|report``: parse, one call into :mod:`capsctl.suites`, render."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from capsctl.cli.app import JsonOpt, app
+from capsctl.errors import UsageError
+
+suite_app = typer.Typer(
+    help="Run sets of (model, seed) trainings described as data, and report mean ± std.",
+    no_args_is_help=True,
+)
+app.add_typer(suite_app, name="suite")
+
+#: The copy of the suite a run folder keeps, so ``suite report DIR`` needs nothing else.
+SUITE_COPY = "suite.yaml"
+
+
+def _seeds(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        seeds = [int(s) for s in text.replace(" ", "").split(",") if s]
+    except ValueError:
+        raise UsageError(f"--seeds {text}: expected comma-separated integers, e.g. 0,1") from None
+    if not seeds:
+        raise UsageError(f"--seeds {text}: expected comma-separated integers, e.g. 0,1")
+    return seeds
+
+
+@suite_app.command("list")
+def list_cmd(json_out: JsonOpt = False) -> None:
+    """The bundled suites."""
+    from capsctl.suites import list_suites
+    from capsctl.views.common import print_json
+    from capsctl.views.suite import print_suite_list
+
+    suites = list_suites()
+    if json_out:
+        print_json([{"name": n, "description": d} for n, d in suites])
+    else:
+        print_suite_list(suites)
+
+
+@suite_app.command("run")
+def run_cmd(
+    suite: Annotated[str, typer.Argument(help="A bundled suite (capsctl suite list) or a file.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder of the suite's runs.")],
+    only: Annotated[
+        list[str] | None, typer.Option("--only", help="Only this member (repeatable).")
+    ] = None,
+    seeds: Annotated[
+        str | None, typer.Option("--seeds", help="Only these seeds, e.g. 0,1.")
+    ] = None,
+    data_dir: Annotated[
+        str | None, typer.Option("--data-dir", help="Where datasets live (default $CAPSCTL_DATA).")
+    ] = None,
+    print_commands: Annotated[
+        bool,
+        typer.Option(
+            "--print-commands",
+            help="Print one capsctl train command per pair (for a scheduler) and train nothing.",
+        ),
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train every (member, seed) pair into OUT/MEMBER/seed-S; skips finished runs and resumes
+    interrupted ones, so the same command continues a suite."""
+    from capsctl.suites import load_suite, pair_commands, run_suite
+    from capsctl.views.common import print_json
+    from capsctl.views.suite import SuiteProgress
+
+    spec = load_suite(suite)
+    chosen = _seeds(seeds)
+    if print_commands:
+        lines = pair_commands(spec, out, only or [], chosen)
+        if json_out:
+            print_json({"commands": lines})
+        else:
+            sys.stdout.write("".join(line + "\n" for line in lines))
+        return
+    _keep_suite_copy(spec, out)
+    with SuiteProgress(quiet=json_out) as progress:
+        result = run_suite(
+            spec, out, only=only or [], seeds=chosen, data_dir=data_dir, on_event=progress
+        )
+    if json_out:
+        print_json(result.to_dict())
+        return
+    from capsctl.views.common import note
+
+    waiting = [p for p in result.pairs if p["status"] in ("waiting", "busy")]
+    note(
+        f"suite {spec.name}: {len(result.pairs) - len(waiting)} of {len(result.pairs)} pairs "
+        f"finished; capsctl suite report {out}"
+    )
+
+
+def _keep_suite_copy(spec: object, out: Path) -> None:
+    """``OUT/suite.yaml``: the suite as run (refusing a folder that holds another suite)."""
+    from capsctl.atomic import write_text_atomic
+    from capsctl.config.yaml_io import load_yaml, to_yaml
+
+    doc = spec.to_dict()  # type: ignore[attr-defined]
+    path = out / SUITE_COPY
+    if path.exists():
+        old = load_yaml(path.read_text(encoding="utf-8"))
+        if isinstance(old, dict) and old.get("name") not in (None, doc["name"]):
+            raise UsageError(
+                f"--out {out}: holds suite {old.get('name')!r}, not {doc['name']!r}; choose "
+                "another --out"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, to_yaml(doc))
+
+
+@suite_app.command("report")
+def report_cmd(
+    folder: Annotated[Path, typer.Argument(help="The folder given to capsctl suite run --out.")],
+    suite: Annotated[
+        str | None,
+        typer.Option("--suite", help="The suite (default: the copy suite run keeps in FOLDER)."),
+    ] = None,
+    data_dir: Annotated[
+        str | None, typer.Option("--data-dir", help="Where datasets live (for scoring).")
+    ] = None,
+    no_score: Annotated[
+        bool,
+        typer.Option("--no-score", help="Do not score finished runs on missing test files."),
+    ] = False,
+    results: Annotated[
+        Path | None,
+        typer.Option("--results", help="Also write the results file (CSV) to this path."),
+    ] = None,
+    png: Annotated[
+        Path | None,
+        typer.Option("--png", help="Folder for accuracy vs parameters and GFLOPs plots."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace existing --results and --png files.")
+    ] = False,
+    json_out: JsonOpt = False,
+    csv_out: Annotated[bool, typer.Option("--csv", help="Print the results CSV.")] = False,
+) -> None:
+    """Top-1 mean ± std over seeds per member, with parameters, GFLOPs, epochs, wall time and
+    training speed."""
+    from capsctl.suites import load_suite, report_suite, write_results
+    from capsctl.suites.report import results_csv
+    from capsctl.views.common import print_json
+    from capsctl.views.progress import simple_progress
+    from capsctl.views.suite import print_suite_report
+
+    if json_out and csv_out:
+        raise UsageError("--json and --csv exclude each other")
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: no such folder; give the --out of capsctl suite run")
+    if suite is None:
+        if not (folder / SUITE_COPY).exists():
+            raise UsageError(
+                f"{folder}: holds no {SUITE_COPY}; name the suite with --suite NAME|FILE"
+            )
+        suite = str(folder / SUITE_COPY)
+    spec = load_suite(suite)
+    with simple_progress("scoring", quiet=json_out or csv_out) as on_event:
+        report = report_suite(
+            spec, folder, score=not no_score, data_dir=data_dir, on_event=on_event
+        )
+    if results is not None:
+        write_results(report, results, overwrite=overwrite)
+    doc = report.to_dict()
+    if png is not None:
+        from capsctl.suites.plot import suite_plot
+
+        doc["png"] = suite_plot(doc, png, overwrite=overwrite)
+    if json_out:
+        print_json(json.loads(json.dumps(doc)))
+    elif csv_out:
+        sys.stdout.write(results_csv(report))
+    else:
+        print_suite_report(doc)

@@ -1,0 +1,375 @@
+"""``capsctl suite report``: a suite's finished runs aggregated per member, and the results files.
+
+Per member and test file: top-1 mean over seeds, the sample standard deviation (``ddof=1``; 0
+with one seed is reported as None), the standard error of the mean over seeds (``std /
+sqrt(k)``) and the test set's own sampling error (``sqrt(p (1 - p) / N)`` for ``N`` test images,
+the spread one run's accuracy has from the finite test set alone). Plus parameters, GFLOPs per
+image, epochs, wall time, training images/s, the published figure where the suite names one,
+and what trained the runs (commit, CPU, cores, torch).
+
+Results files (timm's ``results/`` convention): one CSV row per member and test file,
+:data:`RESULT_COLUMNS`; :func:`write_results` writes them, :func:`read_results` reads them back.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capsctl.suites.runner import TESTS_FILE, Pair, resolved_pair_preset
+from capsctl.suites.spec import Member, Suite
+
+__all__ = [
+    "RESULT_COLUMNS",
+    "MemberRow",
+    "SuiteReport",
+    "TestStat",
+    "aggregate",
+    "read_results",
+    "report_suite",
+    "results_csv",
+    "write_results",
+]
+
+#: The columns of a results file, in order.
+RESULT_COLUMNS = (
+    "suite",
+    "member",
+    "model",
+    "test_set",
+    "test_images",
+    "top1_mean",
+    "top1_std",
+    "top1_se",
+    "test_se",
+    "seeds",
+    "seeds_run",
+    "epochs",
+    "wall_s",
+    "train_images_per_s",
+    "params",
+    "gflops",
+    "budget",
+    "cpu",
+    "cores",
+    "device",
+    "torch",
+    "commit",
+    "note",
+)
+
+
+@dataclass
+class TestStat:
+    """Top-1 over seeds on one test file (fractions in [0, 1])."""
+
+    test: str
+    values: list[float]
+    images: int | None = None
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def std(self) -> float | None:
+        return statistics.stdev(self.values) if len(self.values) >= 2 else None
+
+    @property
+    def se(self) -> float | None:
+        """Standard error of the mean over seeds."""
+        s = self.std
+        return s / math.sqrt(len(self.values)) if s is not None else None
+
+    @property
+    def test_se(self) -> float | None:
+        """One run's sampling error from the test set's size."""
+        p = self.mean
+        if p is None or not self.images:
+            return None
+        return math.sqrt(p * (1.0 - p) / self.images)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "test": self.test,
+            "images": self.images,
+            "values": self.values,
+            "top1_mean": self.mean,
+            "top1_std": self.std,
+            "top1_se": self.se,
+            "test_se": self.test_se,
+            "seeds": len(self.values),
+        }
+
+
+@dataclass
+class MemberRow:
+    member: str
+    model: str
+    seeds_planned: list[int]
+    seeds_done: list[int]
+    tests: dict[str, TestStat]
+    params: int | None = None
+    gflops: float | None = None
+    epochs: float | None = None
+    wall_s: float | None = None
+    train_images_per_s: float | None = None
+    budget: str = "epochs"
+    published: dict[str, str] | None = None
+    note: str = ""
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tests"] = {k: v.to_dict() for k, v in self.tests.items()}
+        return d
+
+
+@dataclass
+class SuiteReport:
+    suite: str
+    folder: str
+    tests: list[str]
+    rows: list[MemberRow]
+    description: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "suite": self.suite,
+            "folder": self.folder,
+            "description": self.description,
+            "tests": self.tests,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def aggregate(runs: Sequence[dict[str, Any]], tests: Sequence[str]) -> dict[str, TestStat]:
+    """Per test file, the accuracies of ``runs`` (each ``{"tests": {name: {"accuracy",
+    "count"}}}``) as :class:`TestStat`; a run lacking a test is left out of that test only."""
+    out: dict[str, TestStat] = {}
+    for test in tests:
+        values, images = [], None
+        for run in runs:
+            t = (run.get("tests") or {}).get(test)
+            if t is None or t.get("accuracy") is None:
+                continue
+            values.append(float(t["accuracy"]))
+            images = int(t["count"]) if t.get("count") is not None else images
+        out[test] = TestStat(test, values, images)
+    return out
+
+
+def _static(suite: Suite, member: Member, folder: Path) -> tuple[str, int | None, float | None]:
+    """The member's model name, parameters and GFLOPs per image (from its preset)."""
+    from capsctl.compare.flops import count_flops
+    from capsctl.models import build_model_from_config, parameter_counts
+
+    preset = resolved_pair_preset(suite, Pair(member, suite.seeds_of(member)[0], folder))
+    cfg = preset.model
+    name = _model_name(cfg)
+    model = build_model_from_config(cfg)
+    params = int(parameter_counts(model)["total"])
+    gflops = count_flops(model, [cfg.in_channels, cfg.input_size, cfg.input_size])
+    return name, params, gflops
+
+
+def _model_name(cfg: Any) -> str:
+    if cfg.arch != "capsnet":
+        return f"{cfg.arch} ({cfg.backbone} backbone)" if cfg.arch == "cnn" else cfg.arch
+    router = cfg.router.get("name")
+    return f"capsnet {cfg.backbone}, {router}"
+
+
+def report_suite(
+    suite: Suite,
+    out: Path,
+    *,
+    score: bool = True,
+    data_dir: str | None = None,
+    on_event: Any = None,
+) -> SuiteReport:
+    """Aggregate the finished runs under ``out`` (``score``: first score the test files a
+    finished run lacks, as ``capsctl suite run`` does after each run)."""
+    from capsctl.suites.runner import score_run
+
+    tests = list(suite.tests) or ["test"]
+    rows = []
+    for member in suite.members:
+        runs, done = [], []
+        walls, epochs, speeds, machines = [], [], [], []
+        for seed in suite.seeds_of(member):
+            folder = out / member.name / f"seed-{seed}"
+            res = _read_json(folder / "results.json")
+            if not res.get("test"):
+                continue
+            if score and suite.tests:
+                score_run(suite, folder, data_dir=data_dir, on_event=on_event)
+            scored = _read_json(folder / TESTS_FILE) if suite.tests else {}
+            if not suite.tests:
+                scored = {"tests": {"test": res["test"]}}
+            runs.append(scored)
+            done.append(seed)
+            walls.append(float(res.get("seconds", 0.0)))
+            epochs.append(float(res.get("epochs_done", 0)))
+            hist = [h.get("images_per_s") for h in res.get("history", [])]
+            hist = [float(h) for h in hist if isinstance(h, (int, float))]
+            if hist:
+                speeds.append(statistics.fmean(hist))
+            trained = _read_json(folder / "provenance.json").get("trained_by") or []
+            machines += trained
+        name, params, gflops = _static(suite, member, out / member.name)
+        published = None
+        if member.published is not None:
+            published = asdict(member.published)
+        rows.append(
+            MemberRow(
+                member=member.name,
+                model=name,
+                seeds_planned=list(suite.seeds_of(member)),
+                seeds_done=done,
+                tests=aggregate(runs, tests),
+                params=params,
+                gflops=gflops,
+                epochs=_mean(epochs),
+                wall_s=_mean(walls),
+                train_images_per_s=_mean(speeds),
+                budget=member.budget,
+                published=published,
+                note=member.note,
+                machine=_machine(machines),
+            )
+        )
+    return SuiteReport(suite.name, str(out), tests, rows, suite.description)
+
+
+def _machine(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What trained a member's runs: each field's values joined (usually one each)."""
+    out: dict[str, Any] = {}
+    for key in ("cpu", "cores", "device", "torch_version", "commit"):
+        values = sorted({str(r.get(key)) for r in records if r.get(key) is not None})
+        out[key] = " + ".join(values) if values else None
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def result_rows(report: SuiteReport) -> list[dict[str, str]]:
+    """The report as results-file rows (:data:`RESULT_COLUMNS`), one per member and test."""
+    rows = []
+    for r in report.rows:
+        for test in report.tests:
+            t = r.tests[test]
+            rows.append(
+                {
+                    "suite": report.suite,
+                    "member": r.member,
+                    "model": r.model,
+                    "test_set": test,
+                    "test_images": _fmt(t.images),
+                    "top1_mean": _fmt(t.mean),
+                    "top1_std": _fmt(t.std),
+                    "top1_se": _fmt(t.se),
+                    "test_se": _fmt(t.test_se),
+                    "seeds": " ".join(str(s) for s in r.seeds_done),
+                    "seeds_run": str(len(t.values)),
+                    "epochs": _fmt(r.epochs),
+                    "wall_s": _fmt(None if r.wall_s is None else round(r.wall_s, 1)),
+                    "train_images_per_s": _fmt(
+                        None if r.train_images_per_s is None else round(r.train_images_per_s, 1)
+                    ),
+                    "params": _fmt(r.params),
+                    "gflops": _fmt(None if r.gflops is None else round(r.gflops, 4)),
+                    "budget": r.budget,
+                    "cpu": _fmt(r.machine.get("cpu")),
+                    "cores": _fmt(r.machine.get("cores")),
+                    "device": _fmt(r.machine.get("device")),
+                    "torch": _fmt(r.machine.get("torch_version")),
+                    "commit": _fmt(r.machine.get("commit")),
+                    "note": r.note,
+                }
+            )
+    return rows
+
+
+def results_csv(report: SuiteReport) -> str:
+    """The report as a results file's text (header and rows)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(RESULT_COLUMNS), lineterminator="\n")
+    w.writeheader()
+    w.writerows(result_rows(report))
+    return buf.getvalue()
+
+
+def write_results(report: SuiteReport, path: Path, *, overwrite: bool = False) -> Path:
+    """Write the report's results file (refusing an existing file unless ``overwrite``)."""
+    from capsctl.atomic import write_text_atomic
+    from capsctl.errors import UsageError
+
+    if path.exists() and not overwrite:
+        raise UsageError(f"--results {path}: exists; pass --overwrite to replace it")
+    write_text_atomic(path, results_csv(report))
+    return path
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """A results file's rows with numbers as numbers (empty cells as None); ValueError on a
+    header that is not :data:`RESULT_COLUMNS`."""
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
+            raise ValueError(f"{path}: not a capsctl results file (unexpected header)")
+        rows = []
+        for raw in reader:
+            row: dict[str, Any] = {}
+            for k, v in raw.items():
+                row[k] = _parse_cell(k, v)
+            rows.append(row)
+    return rows
+
+
+_INT_COLUMNS = ("test_images", "seeds_run", "params", "cores")
+_FLOAT_COLUMNS = (
+    "top1_mean",
+    "top1_std",
+    "top1_se",
+    "test_se",
+    "epochs",
+    "wall_s",
+    "train_images_per_s",
+    "gflops",
+)
+
+
+def _parse_cell(column: str, value: str | None) -> Any:
+    if value is None or value == "":
+        return None
+    if column in _INT_COLUMNS:
+        return int(value)
+    if column in _FLOAT_COLUMNS:
+        return float(value)
+    return value

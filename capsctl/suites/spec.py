@@ -1,0 +1,262 @@
+"""Suites as data: a YAML file of members, one recipe and a list of seeds.
+
+A suite file (bundled ones live in ``presets/suites/``)::
+
+    name: cifar10-fast
+    description: ...
+    recipe: cifar10-caps-fast          # the preset every member starts from
+    set: [train.time_limit=null, train.epochs=8]   # the recipe's changes, for every member
+    seeds: [0, 1, 2]
+    tests: [test-lossless-1k, test-jpeg]           # test files every finished run is scored on
+    members:
+      - name: idpa
+      - name: dynamic
+        set: ["model.router={name: dynamic}"]
+      - name: resnet18
+        set: [model=resnet18]
+        seeds: [0, 1]
+        budget: matched                # time limit: the other members' median wall time
+        published: {top1: 0.95, source: "..."}
+
+Each (member, seed) pair is one ``capsctl train`` run: the recipe preset with the suite's
+``set``, then the member's ``set``, then ``train.seed``. Nothing here trains or prints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from capsctl.errors import ConfigError, UsageError
+
+__all__ = ["Member", "Published", "Suite", "list_suites", "load_suite", "suite_dirs"]
+
+Budget = Literal["epochs", "matched"]
+_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published figure shown next to a member: top-1 accuracy (a number or a range such as
+    ``"0.9154-0.9214"``), where it comes from, and how its setting differs."""
+
+    top1: str
+    source: str
+    setting: str = ""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model of a suite: its name, its changes to the recipe, its seeds (default: the
+    suite's), its budget (``epochs``: the recipe's epochs; ``matched``: also stopped at the
+    median wall time of the suite's ``epochs`` members, for models too slow to train the same
+    epochs here) and an optional published figure."""
+
+    name: str
+    set: tuple[str, ...] = ()
+    seeds: tuple[int, ...] | None = None
+    budget: Budget = "epochs"
+    published: Published | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    recipe: str
+    members: tuple[Member, ...]
+    seeds: tuple[int, ...]
+    set: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()
+    description: str = ""
+    source: str = ""
+    results: str = ""  # the results file of the package this suite's measured rows go to
+
+    def member(self, name: str) -> Member:
+        for m in self.members:
+            if m.name == name:
+                return m
+        raise UsageError(
+            f"--only {name}: not a member of suite {self.name}; choose from "
+            f"{', '.join(m.name for m in self.members)}"
+        )
+
+    def seeds_of(self, member: Member) -> tuple[int, ...]:
+        return member.seeds if member.seeds is not None else self.seeds
+
+    def overrides(self, member: Member, seed: int) -> list[str]:
+        """The ``--set`` overrides of one pair, applied to :attr:`recipe` in this order."""
+        return [*self.set, *member.set, f"train.seed={seed}"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "recipe": self.recipe,
+            "set": list(self.set),
+            "seeds": list(self.seeds),
+            "tests": list(self.tests),
+            "results": self.results,
+            "members": [
+                {
+                    "name": m.name,
+                    "set": list(m.set),
+                    "seeds": list(self.seeds_of(m)),
+                    "budget": m.budget,
+                    "note": m.note,
+                    "published": None
+                    if m.published is None
+                    else {
+                        "top1": m.published.top1,
+                        "source": m.published.source,
+                        "setting": m.published.setting,
+                    },
+                }
+                for m in self.members
+            ],
+        }
+
+
+def suite_dirs() -> list[Path]:
+    """Folders searched for suite files: ``suites/`` inside each preset folder."""
+    from capsctl.config.presets import preset_dirs
+
+    return [d / "suites" for d in preset_dirs() if (d / "suites").is_dir()]
+
+
+def list_suites() -> list[tuple[str, str]]:
+    """``(name, description)`` of every bundled suite."""
+    out: dict[str, str] = {}
+    for folder in suite_dirs():
+        for f in sorted(folder.iterdir()):
+            if f.suffix in _SUFFIXES and f.stem not in out:
+                try:
+                    out[f.stem] = load_suite(f).description
+                except ConfigError as e:
+                    out[f.stem] = f"(unreadable: {e})"
+    return sorted(out.items())
+
+
+def _find(name_or_path: str | os.PathLike[str]) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in _SUFFIXES or path.exists():
+        if not path.is_file():
+            raise UsageError(f"suite {name_or_path}: no such file")
+        return path
+    for folder in suite_dirs():
+        for suffix in _SUFFIXES:
+            if (folder / f"{name_or_path}{suffix}").is_file():
+                return folder / f"{name_or_path}{suffix}"
+    known = ", ".join(n for n, _ in list_suites()) or "none"
+    raise UsageError(f"suite {name_or_path}: unknown; use a suite file or one of: {known}")
+
+
+def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
+    """A bundled suite by name, or a suite YAML file; ConfigError naming the field if invalid."""
+    from capsctl.config.yaml_io import load_yaml
+
+    path = _find(name_or_path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"suite {path}: cannot be read ({e.strerror})") from None
+    raw = load_yaml(text) if text.strip() else None
+    if raw is None:
+        raise ConfigError(f"suite {path}: the file is empty; see capsctl suite list")
+    return suite_from_dict(raw, str(path), default_name=path.stem)
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError(f"{where}: must be a list of strings")
+    if not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: must be a list of strings")
+    return tuple(value)
+
+
+def _seeds(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: must be a non-empty list of integers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ConfigError(f"{where}: must be a non-empty list of integers >= 0")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{where}: a seed is listed twice")
+    return tuple(value)
+
+
+def _check_keys(data: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"{where}.{unknown[0]}: unknown field; expected one of {', '.join(allowed)}"
+        )
+
+
+_MEMBER_KEYS = ("name", "set", "seeds", "budget", "published", "note")
+_SUITE_KEYS = ("name", "description", "recipe", "set", "seeds", "tests", "members", "results")
+
+
+def _member(data: Any, where: str) -> Member:
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: must be a mapping with a name")
+    _check_keys(data, _MEMBER_KEYS, where)
+    name = data.get("name")
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise ConfigError(f"{where}.name: must be a plain name (it names the run folder)")
+    budget = data.get("budget", "epochs")
+    if budget not in ("epochs", "matched"):
+        raise ConfigError(f"{where}.budget: {budget!r}; use epochs or matched")
+    pub = data.get("published")
+    published = None
+    if pub is not None:
+        if not isinstance(pub, Mapping) or "top1" not in pub or "source" not in pub:
+            raise ConfigError(f"{where}.published: needs top1 and source")
+        _check_keys(pub, ("top1", "source", "setting"), f"{where}.published")
+        published = Published(str(pub["top1"]), str(pub["source"]), str(pub.get("setting", "")))
+    seeds = data.get("seeds")
+    return Member(
+        name=name,
+        set=_strings(data.get("set"), f"{where}.set"),
+        seeds=None if seeds is None else _seeds(seeds, f"{where}.seeds"),
+        budget=budget,
+        published=published,
+        note=str(data.get("note", "")),
+    )
+
+
+def suite_from_dict(raw: Any, source: str, default_name: str = "") -> Suite:
+    """A :class:`Suite` from a parsed mapping; ConfigError naming the bad field."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"suite {source}: must be a mapping (name, recipe, seeds, members)")
+    _check_keys(raw, _SUITE_KEYS, "suite")
+    recipe = raw.get("recipe")
+    if not isinstance(recipe, str) or not recipe:
+        raise ConfigError("suite.recipe: must name a preset (see capsctl presets)")
+    members_raw = raw.get("members")
+    if not isinstance(members_raw, Sequence) or isinstance(members_raw, str) or not members_raw:
+        raise ConfigError("suite.members: must be a non-empty list")
+    members = tuple(_member(m, f"suite.members[{i}]") for i, m in enumerate(members_raw))
+    names = [m.name for m in members]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ConfigError(f"suite.members: {dup!r} is listed twice")
+    if all(m.budget == "matched" for m in members):
+        raise ConfigError("suite.members: a matched budget needs at least one epochs member")
+    return Suite(
+        name=str(raw.get("name") or default_name),
+        recipe=recipe,
+        members=members,
+        seeds=_seeds(raw.get("seeds"), "suite.seeds"),
+        set=_strings(raw.get("set"), "suite.set"),
+        tests=_strings(raw.get("tests"), "suite.tests"),
+        description=" ".join(str(raw.get("description", "")).split()),
+        source=source,
+        results=str(raw.get("results", "")),
+    )

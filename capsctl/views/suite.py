@@ -1,0 +1,131 @@
+"""``capsctl suite``: progress across a suite's pairs, its report table, commands and CSV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from capsctl.views.common import err, out, styled
+from capsctl.views.progress import TrainProgress
+
+__all__ = ["SuiteProgress", "print_suite_list", "print_suite_report"]
+
+_STATUS = {
+    "done": "finished, skipped",
+    "scored": "finished, scoring its test files",
+    "partial": "resuming",
+    "new": "training",
+    "waiting": "waits for the other members' median wall time; run the suite again later",
+    "busy": "another process is training it",
+}
+
+
+class SuiteProgress(TrainProgress):
+    """The training progress bar, plus one line per pair: ``[3/17] em seed 0: training``."""
+
+    def __call__(self, e: dict[str, Any]) -> None:
+        kind = e["event"]
+        if kind == "suite_pair" and not self.quiet:
+            self.progress.console.print(
+                styled(
+                    (f"[{e['step']}/{e['steps']}] ", "bold"),
+                    f"{e['member']} seed {e['seed']}: {_STATUS.get(e['status'], e['status'])}",
+                )
+            )
+        elif kind == "suite_pair_busy" and not self.quiet:
+            self.progress.console.print(
+                f"  {e['member']} seed {e['seed']}: another process holds its folder; skipped"
+            )
+        elif kind == "suite_score" and not self.quiet:
+            self.progress.console.print(f"  scoring on {e['test']}")
+        elif kind == "test" and not self.quiet:
+            self.progress.console.print(f"  test accuracy {100 * e['accuracy']:.2f}%")
+        else:
+            super().__call__(e)
+
+
+def print_suite_list(suites: list[tuple[str, str]]) -> None:
+    table = Table(show_header=True, header_style="bold", expand=False)
+    table.add_column("suite", no_wrap=True)
+    table.add_column("description", overflow="fold")
+    for name, desc in suites:
+        table.add_row(Text(name), Text(desc))
+    out.print(table)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}"
+
+
+def _acc_cell(t: dict[str, Any]) -> str:
+    """``90.12 ± 0.31`` (mean ± std over seeds, in %)."""
+    if t["top1_mean"] is None:
+        return "-"
+    std = t["top1_std"]
+    return f"{_pct(t['top1_mean'])} ± {_pct(std)}" if std is not None else _pct(t["top1_mean"])
+
+
+def print_suite_report(doc: dict[str, Any]) -> None:
+    """The report as a table: one row per member."""
+    table = Table(
+        title=Text(f"suite {doc['suite']}: {doc['folder']}"),
+        show_header=True,
+        header_style="bold",
+    )
+    table.add_column("member", no_wrap=True)
+    for test in doc["tests"]:
+        table.add_column(Text(f"top-1 % {test}\nmean ± std (se)"), justify="right", no_wrap=True)
+    table.add_column("seeds", justify="right", no_wrap=True)
+    table.add_column("params", justify="right", no_wrap=True)
+    table.add_column("GFLOPs", justify="right", no_wrap=True)
+    table.add_column("epochs", justify="right", no_wrap=True)
+    table.add_column("wall s", justify="right", no_wrap=True)
+    table.add_column("img/s", justify="right", no_wrap=True)
+    table.add_column("published", justify="right", overflow="fold")
+    notes = []
+    for r in doc["rows"]:
+        cells = [Text(r["member"])]
+        for test in doc["tests"]:
+            t = r["tests"][test]
+            se = f" ({_pct(t['top1_se'])})" if t["top1_se"] is not None else ""
+            cells.append(Text(_acc_cell(t) + se))
+        cells.append(Text(f"{len(r['seeds_done'])}/{len(r['seeds_planned'])}"))
+        cells.append(Text(f"{r['params']:,}" if r["params"] is not None else "-"))
+        cells.append(Text(f"{r['gflops']:.3f}" if r["gflops"] is not None else "-"))
+        cells.append(Text(f"{r['epochs']:.1f}" if r["epochs"] is not None else "-"))
+        cells.append(Text(f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-"))
+        speed = r["train_images_per_s"]
+        cells.append(Text(f"{speed:.0f}" if speed is not None else "-"))
+        pub = r.get("published")
+        cells.append(Text(_published(pub["top1"]) + "*" if pub else "-"))
+        table.add_row(*cells)
+        if r.get("budget") == "matched":
+            notes.append(f"{r['member']}: stopped at the other members' median wall time")
+        if pub:
+            notes.append(f"*{r['member']}: {pub['source']}; {pub['setting']}")
+    out.print(table)
+    for test in doc["tests"]:
+        n = next(
+            (r["tests"][test]["images"] for r in doc["rows"] if r["tests"][test]["images"]), None
+        )
+        if n:
+            err.print(Text(f"{test}: {n:,} test images"))
+    for line in notes:
+        err.print(Text(line))
+    err.print(
+        Text(
+            "std: over seeds (ddof 1); se: its standard error; one run's sampling error from "
+            "the test set alone is test_se in --json"
+        )
+    )
+
+
+def _published(top1: str) -> str:
+    """``"0.9154-0.9214"`` -> ``"91.54-92.14"``; other text as it is."""
+    try:
+        parts = [float(p) for p in top1.split("-")]
+    except ValueError:
+        return top1
+    return "-".join(f"{100 * p:.2f}" for p in parts)

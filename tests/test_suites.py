@@ -1,0 +1,304 @@
+"""Suites (capsctl/suites/): the file format, running and resuming, aggregation, results files
+and the printed commands."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from capsctl.cli import main
+from capsctl.errors import CapsctlError, ConfigError
+from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
+from capsctl.suites.report import RESULT_COLUMNS, aggregate, read_results, write_results
+
+# A tiny capsule net on the embedded Fashion-MNIST subset: a few seconds per run.
+TINY_SET = [
+    "model.primary_types=4",
+    "model.layers=[{kind: conv, types: 4, pose_dim: 16, kernel: 3, stride: 2}]",
+    "train.steps_per_epoch=6",
+    "train.batch_size=16",
+    "train.device=cpu",
+    "train.epochs=3",
+    "data.val_size=0",
+    "log.curves=false",
+]
+
+
+def tiny_suite(folder: Path, steps: int = 6) -> Path:
+    sets = [
+        s if not s.startswith("train.steps") else f"train.steps_per_epoch={steps}" for s in TINY_SET
+    ]
+    text = textwrap.dedent(
+        """\
+        name: tiny
+        description: two tiny members
+        recipe: quickstart
+        seeds: [0, 1]
+        members:
+          - name: idpa
+          - name: dynamic
+            set: ["model.router={name: dynamic}"]
+            seeds: [0]
+        """
+    )
+    text += "set:\n" + "".join(f"  - {json.dumps(s)}\n" for s in sets)
+    path = folder / "tiny.yaml"
+    path.write_text(text)
+    return path
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- the file format ---------------------------------------------------------------------------
+
+
+def test_bundled_suite_loads_with_its_members() -> None:
+    suite = load_suite("cifar10-fast")
+    assert [m.name for m in suite.members] == ["idpa", "dynamic", "em", "self", "cnn", "resnet18"]
+    assert suite.seeds == (0, 1, 2)
+    assert suite.seeds_of(suite.member("resnet18")) == (0, 1)
+    assert suite.member("resnet18").budget == "matched"
+    assert suite.tests == ("test-lossless-1k", "test-jpeg")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "empty"),
+        ("recipe: quickstart\nseeds: [0]\nmembers: []\n", "suite.members"),
+        ("recipe: quickstart\nseeds: [0, 0]\nmembers: [a]\n", "suite.seeds"),
+        ("recipe: quickstart\nseeds: [0]\nmembers: [{name: a, colour: red}]\n", "colour"),
+        ("recipe: quickstart\nseeds: [0]\nmembers: [{name: ../a}]\n", "name"),
+        ("recipe: quickstart\nseeds: [0]\nmembers: [{name: a, budget: matched}]\n", "budget"),
+    ],
+)
+def test_bad_suite_files_name_the_field(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        load_suite(path)
+
+
+def test_plan_runs_every_member_first_seed_before_any_second(tmp_path: Path) -> None:
+    suite = load_suite("cifar10-fast")
+    pairs = plan_pairs(suite, tmp_path)
+    labels = [p.label for p in pairs]
+    assert labels[:5] == [f"{m} seed 0" for m in ("idpa", "dynamic", "em", "self", "cnn")]
+    assert labels[-2:] == ["resnet18 seed 0", "resnet18 seed 1"]  # matched members last
+    assert len(pairs) == 5 * 3 + 2
+    only = plan_pairs(suite, tmp_path, only=["em"], seeds=[2])
+    assert [(p.member.name, p.seed, p.folder) for p in only] == [("em", 2, tmp_path / "em/seed-2")]
+    with pytest.raises(CapsctlError, match="--only nope"):
+        plan_pairs(suite, tmp_path, only=["nope"])
+
+
+# -- aggregation and results files -------------------------------------------------------------
+
+
+def test_aggregation_against_typed_numbers() -> None:
+    runs = [
+        {"tests": {"a": {"accuracy": 0.90, "count": 1000}, "b": {"accuracy": 0.80, "count": 50}}},
+        {"tests": {"a": {"accuracy": 0.92, "count": 1000}}},
+        {"tests": {"a": {"accuracy": 0.94, "count": 1000}, "b": {"accuracy": 0.84, "count": 50}}},
+    ]
+    stats = aggregate(runs, ["a", "b"])
+    a, b = stats["a"], stats["b"]
+    assert a.mean == pytest.approx(0.92)
+    assert a.std == pytest.approx(0.02)  # sample std (ddof 1) of 0.90, 0.92, 0.94
+    assert a.se == pytest.approx(0.02 / math.sqrt(3))
+    assert a.test_se == pytest.approx(math.sqrt(0.92 * 0.08 / 1000))
+    assert len(a.values) == 3
+    assert b.mean == pytest.approx(0.82)  # the run without b is left out of b only
+    assert b.std == pytest.approx(0.028284271247)
+    single = aggregate([runs[1]], ["a"])["a"]
+    assert single.mean == pytest.approx(0.92) and single.std is None and single.se is None
+
+
+def _fake_run(folder: Path, seconds: float, tests: dict[str, tuple[float, int]]) -> None:
+    folder.mkdir(parents=True)
+    history = [{"epoch": 1, "images_per_s": 100.0}, {"epoch": 2, "images_per_s": 300.0}]
+    res = {"test": {"accuracy": 0.5}, "seconds": seconds, "epochs_done": 2, "history": history}
+    (folder / "results.json").write_text(json.dumps(res))
+    doc = {"tests": {k: {"accuracy": a, "count": n} for k, (a, n) in tests.items()}}
+    (folder / "tests.json").write_text(json.dumps(doc))
+
+
+def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
+    suite_file = tmp_path / "s.yaml"
+    suite_file.write_text(
+        "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n"
+        "  - name: caps\n    published: {top1: '0.9', source: somewhere}\n"
+        "  - name: cnn\n    set: [model=mnist-cnn]\n"
+    )
+    suite = load_suite(suite_file)
+    runs = tmp_path / "runs"
+    _fake_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)})
+    _fake_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})
+    _fake_run(runs / "cnn/seed-1", 50.0, {"t1": (0.60, 200)})
+    report = report_suite(suite, runs, score=False)
+    caps, cnn = report.rows
+    assert caps.seeds_done == [0, 1] and cnn.seeds_done == [1]
+    assert caps.tests["t1"].mean == pytest.approx(0.80)
+    assert caps.tests["t1"].std == pytest.approx(math.sqrt(0.005))
+    assert caps.wall_s == pytest.approx(20.0) and caps.train_images_per_s == pytest.approx(200.0)
+    assert caps.params and caps.params > 0 and caps.gflops and caps.gflops > 0
+    assert caps.published == {"top1": "0.9", "source": "somewhere", "setting": ""}
+
+    path = tmp_path / "results.csv"
+    write_results(report, path)
+    header = path.read_text().splitlines()[0]
+    assert header == (
+        "suite,member,model,test_set,test_images,top1_mean,top1_std,top1_se,test_se,seeds,"
+        "seeds_run,epochs,wall_s,train_images_per_s,params,gflops,budget,cpu,cores,device,torch,"
+        "commit,note"
+    )
+    assert tuple(header.split(",")) == RESULT_COLUMNS
+    rows = read_results(path)
+    assert [(r["member"], r["test_set"]) for r in rows] == [("caps", "t1"), ("cnn", "t1")]
+    assert rows[0]["top1_mean"] == pytest.approx(0.80)
+    assert rows[0]["top1_std"] == pytest.approx(math.sqrt(0.005))
+    assert rows[0]["seeds"] == "0 1" and rows[0]["seeds_run"] == 2
+    assert rows[0]["params"] == caps.params
+    assert rows[1]["top1_std"] is None  # one seed: no spread
+    with pytest.raises(CapsctlError, match="--overwrite"):
+        write_results(report, path)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a capsctl results file"):
+        read_results(bad)
+
+
+def test_report_refuses_a_folder_without_its_suite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli(capsys, ["suite", "report", str(tmp_path)])
+    assert code == 2
+    assert "suite.yaml" in err and "--suite" in err
+
+
+# -- running, interrupting, resuming -----------------------------------------------------------
+
+
+def _accuracies(folder: Path) -> dict[str, float]:
+    out = {}
+    for res in sorted(folder.glob("*/seed-*/results.json")):
+        out[str(res.parent.relative_to(folder))] = json.loads(res.read_text())["test"]["accuracy"]
+    return out
+
+
+@pytest.mark.slow
+def test_tiny_suite_killed_mid_run_resumes_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite = tiny_suite(tmp_path, steps=12)
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+
+    code, _, err = run_cli(capsys, ["suite", "run", str(suite), "--out", str(whole)])
+    assert code == 0, err
+    expected = _accuracies(whole)
+    assert sorted(expected) == ["dynamic/seed-0", "idpa/seed-0", "idpa/seed-1"]
+
+    # kill -9 a suite in its second pair, once that pair has a checkpoint
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "capsctl", "suite", "run", str(suite), "--out", str(broken)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    second = broken / "dynamic/seed-0/last.safetensors"
+    deadline = time.monotonic() + 240
+    while not second.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert second.exists(), "the suite ended before its second pair had a checkpoint"
+    assert not (broken / "dynamic/seed-0/results.json").exists()
+    first_done = broken / "idpa/seed-0/results.json"
+    stamp = first_done.stat().st_mtime_ns
+
+    events: list[dict[str, object]] = []
+    from capsctl.suites import run_suite
+
+    run_suite(load_suite(suite), broken, on_event=events.append)
+    statuses = {(e["member"], e["seed"]): e["status"] for e in events if e["event"] == "suite_pair"}
+    assert statuses == {("idpa", 0): "done", ("dynamic", 0): "partial", ("idpa", 1): "new"}
+    assert first_done.stat().st_mtime_ns == stamp  # the finished pair was skipped
+    assert _accuracies(broken) == expected  # the resumed run ends as the uninterrupted one
+
+    code, out, err = run_cli(capsys, ["suite", "report", str(broken), "--json"])
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = {r["member"]: r for r in doc["rows"]}
+    assert rows["idpa"]["seeds_done"] == [0, 1]
+    idpa = rows["idpa"]["tests"]["test"]
+    accs = [expected["idpa/seed-0"], expected["idpa/seed-1"]]
+    assert idpa["top1_mean"] == pytest.approx(sum(accs) / 2)
+    trained = json.loads((broken / "dynamic/seed-0/provenance.json").read_text())["trained_by"]
+    assert [t["resumed"] for t in trained] == [True]  # the killed process recorded nothing
+
+
+@pytest.mark.slow
+def test_printed_command_reruns_one_pair_identically(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_path = tiny_suite(tmp_path)
+    suite = load_suite(suite_path)
+    code, _, err = run_cli(
+        capsys,
+        ["suite", "run", str(suite_path), "--out", str(tmp_path / "a"), "--only", "dynamic"],
+    )
+    assert code == 0, err
+    code, out, err = run_cli(
+        capsys,
+        ["suite", "run", str(suite_path), "--out", str(tmp_path / "b"), "--print-commands"],
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines == pair_commands(suite, tmp_path / "b")
+    assert len(lines) == 3
+    line = next(line for line in lines if "/dynamic/seed-0" in line)
+    words = shlex.split(line)
+    assert words[:2] == ["capsctl", "train"]
+    code, _, err = run_cli(capsys, words[1:])
+    assert code == 0, err
+    a, b = tmp_path / "a/dynamic/seed-0", tmp_path / "b/dynamic/seed-0"
+    assert (a / "preset.yaml").read_text() == (b / "preset.yaml").read_text()
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "best.safetensors"), load_file(b / "best.safetensors")
+    assert wa.keys() == wb.keys()
+    assert all(bool((wa[k] == wb[k]).all()) for k in wa)
+    assert _accuracies(tmp_path / "a") == _accuracies(tmp_path / "b")
+
+
+def test_a_folder_of_another_preset_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_path = tiny_suite(tmp_path)
+    folder = tmp_path / "out/idpa/seed-0"
+    folder.mkdir(parents=True)
+    (folder / "preset.yaml").write_text("name: other\nmodel: mnist-caps\n")
+    code, _, err = run_cli(
+        capsys, ["suite", "run", str(suite_path), "--out", str(tmp_path / "out")]
+    )
+    assert code == 1
+    assert str(folder) in err and "another preset" in err and "choose another --out" in err
