@@ -27,6 +27,8 @@ def parse_duration(text: str, what: str = "duration") -> float:
         seconds = float(number) * (scale or 1.0)
     except ValueError:
         seconds = float("nan")
+    if seconds <= 0:
+        raise UsageError(f"{what} {text!r}: must be more than 0 seconds (e.g. 90s, 30m, 1.5h)")
     if not seconds > 0 or seconds == float("inf"):
         raise UsageError(
             f"{what} {text!r}: not a duration; use seconds or a number with s, m or h "
@@ -78,6 +80,11 @@ def resolve_run(
     """The preset to train and its run folder (default ``runs/<preset name>``; on resume, the
     checkpoint's folder)."""
     if resume is not None:
+        if preset is not None:
+            raise UsageError(
+                f"--preset {preset} with --resume: a resumed run keeps the preset it was "
+                "trained with; drop --preset (change fields with --set where allowed)"
+            )
         resume = Path(resume)
         if not resume.exists():
             raise UsageError(f"--resume {resume}: no such file")

@@ -16,7 +16,6 @@ each file whole: either the previous version or the new one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,10 @@ __all__ = [
     "METRICS",
     "RESOLVED_PRESET",
     "RESULTS",
+    "RUN_FILES",
     "check_out_dir",
     "draw_curves",
+    "holds_run",
     "truncate_metrics",
     "write_metrics",
 ]
@@ -47,10 +48,13 @@ CURVES = "curves.png"
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse an ``--out`` that is a file, or that holds a run when neither ``--resume`` nor
+    ``--overwrite`` is given. Nothing is deleted here: ``--overwrite`` replaces the old run
+    only once the new one has written its first checkpoint
+    (:class:`capsctl.training.ownership.StagedReplace`)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a folder; choose another path")
-    holds_run = out.is_dir() and any((out / f).exists() for f in (LAST, BEST, METRICS))
-    if holds_run and not (resume or overwrite):
+    if holds_run(out) and not (resume or overwrite):
         if not (out / LAST).exists():  # killed between its first best and last checkpoints
             raise UsageError(
                 f"--out {out}: already holds a run with no {LAST} to resume from; pass "
@@ -60,11 +64,15 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             f"--out {out}: already holds a run; pass --resume {out / LAST} to continue it, "
             "--overwrite to replace it, or choose another --out"
         )
-    if holds_run and overwrite and not resume:
-        old_files = [out / f for f in (LAST, BEST, METRICS, RESOLVED_PRESET, RESULTS, CURVES)]
-        for f in old_files + sorted(out.glob("events.out.tfevents.*")):
-            with contextlib.suppress(FileNotFoundError):
-                f.unlink()
+
+
+#: The files of a run that ``--overwrite`` replaces (plus TensorBoard's event files).
+RUN_FILES = (LAST, BEST, METRICS, RESOLVED_PRESET, RESULTS, CURVES)
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds (part of) a run."""
+    return out.is_dir() and any((out / f).exists() for f in (LAST, BEST, METRICS))
 
 
 def truncate_metrics(path: Path, epochs_done: int) -> list[dict[str, Any]]:

@@ -8,6 +8,8 @@ the position inside the epoch.
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from capsctl.models import build_model_from_config, parameter_counts
 from capsctl.training.budget import TimeBudget
 from capsctl.training.distributed import Distributed
 from capsctl.training.interrupt import Interrupted
+from capsctl.training.ownership import StagedReplace
 from capsctl.training.recipe import EMA, make_optimizer, make_scheduler, seed_everything
 from capsctl.training.resume import resume_changes
 from capsctl.version import __version__
@@ -54,6 +57,10 @@ class RunSetUp:
         self.partial: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
         self.tensorboard: Any = None
+        self.replace: StagedReplace | None = None
+        self.run_id = uuid.uuid4().hex
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_meta: dict[str, Any] | None = None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -64,8 +71,11 @@ class RunSetUp:
         between steps before anything is written."""
         t, dist = self.t, self.dist
         flag = flag if flag is not None else {"stop": False}
+        fork = resume is not None and not _same_folder(Path(resume).parent, self.out)
         if dist.is_main:
-            files.check_out_dir(self.out, resume is not None, overwrite)
+            files.check_out_dir(self.out, resume is not None and not fork, overwrite)
+            if overwrite and files.holds_run(self.out) and not (resume and not fork):
+                self.replace = StagedReplace(self.out, files.RUN_FILES)
         if t.batch_size % dist.world_size:
             raise ConfigError(
                 f"train.batch_size: {t.batch_size} is the global batch and must be divisible by "
@@ -83,10 +93,16 @@ class RunSetUp:
         self._build_model()
         self._build_loader_and_recipe()
         self._stop_if_asked(flag, resume)
+        if dist.is_main:  # every check passed: the old run (--overwrite) steps aside
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.replace is not None:
+                self.replace.stage()
+            if fork:
+                _fork_run(Path(resume).parent, self.out)  # type: ignore[arg-type]
         if resume is not None:
             self._restore(Path(resume), meta, changes)
+            self.run_id = str(meta.get("run_id") or self.run_id)
         if dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.out / files.RESOLVED_PRESET, dump_yaml(self.preset))
         self.base_meta = self._base_meta()
         if dist.is_main and self.preset.log.tensorboard:
@@ -203,6 +219,24 @@ class RunSetUp:
             "dataset": p.data.dataset,
             "dataset_fingerprint": data.fingerprint,
             "params": parameter_counts(self.model),
+            "run_id": self.run_id,
             "capsctl_version": __version__,
             "torch_version": torch.__version__,
         }
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _fork_run(source: Path, out: Path) -> None:
+    """``--resume SRC/last.safetensors --out NEW``: NEW gets the source run's best checkpoint
+    and metrics, so the run continues there whole (the source folder is left as it is)."""
+    for name in (files.BEST, files.METRICS):
+        if (source / name).exists():
+            tmp = out / f".{name}.fork.tmp"
+            shutil.copyfile(source / name, tmp)
+            tmp.replace(out / name)

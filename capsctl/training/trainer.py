@@ -30,6 +30,7 @@ from capsctl.atomic import write_text_atomic
 from capsctl.checkpoint import (
     capture_rng_state,
     load_checkpoint,
+    model_from_tensors,
     model_tensors,
     pack_training_state,
     save_checkpoint,
@@ -41,7 +42,8 @@ from capsctl.evaluation import EvalResult, evaluate
 from capsctl.events import EventFn, emit
 from capsctl.losses import count_correct
 from capsctl.training.distributed import Distributed
-from capsctl.training.interrupt import Interrupted, sigint_as_flag
+from capsctl.training.interrupt import Interrupted, sigint_as_flag, stop_exit_code
+from capsctl.training.ownership import RunLock, clear_temp_files
 from capsctl.training.phases import PhaseClock
 from capsctl.training.setup import RunSetUp
 
@@ -87,13 +89,26 @@ def fit(
     ``train.batch_size`` is then the global batch, split evenly over the processes.
     """
     t_start = time.perf_counter()
+    out = Path(out_dir)
     dist = Distributed.from_env(resolve_device(preset.train.device))
+    lock = RunLock(out) if dist.is_main else None
     try:
-        trainer = Trainer(preset, Path(out_dir), dist, on_event if dist.is_main else None, t_start)
+        if lock is not None:
+            files.check_out_dir(out, True, True)  # a file where the folder should be
+            lock.acquire()  # one run per folder; a dead run's lock dies with it
+            clear_temp_files(out)  # left by a killed process: nobody else writes here now
+        trainer = Trainer(preset, out, dist, on_event if dist.is_main else None, t_start)
         with sigint_as_flag(handle_sigint) as flag, flush_denormals(dist.device):
-            trainer.set_up(resume, overwrite, flag)
-            return trainer.run(flag)
+            try:
+                trainer.set_up(resume, overwrite, flag)
+                return trainer.run(flag)
+            except BaseException:
+                if trainer.replace is not None:  # no checkpoint of the new run yet
+                    trainer.replace.restore()
+                raise
     finally:
+        if lock is not None:
+            lock.release()
         dist.close()
 
 
@@ -138,7 +153,8 @@ class Trainer(RunSetUp):
         if interrupted_in is not None:
             raise Interrupted(
                 f"interrupted during epoch {interrupted_in + 1}; the run is saved, resume with "
-                f"capsctl train --resume {self.out / files.LAST}"
+                f"capsctl train --resume {self.out / files.LAST}",
+                exit_code=stop_exit_code(flag),
             )
         return self.finish()
 
@@ -295,11 +311,18 @@ class Trainer(RunSetUp):
         if improved:
             self.best_acc = record.get("val_accuracy", -1.0) if data.val is not None else -1.0
             self.best_epoch = int(record["epoch"])
-            save_checkpoint(
-                self.out / files.BEST,
-                model_tensors(self.eval_model()),
-                {**self.base_meta, "epoch": record["epoch"], "metrics": record, "kind": "best"},
-            )
+            # kept in memory too: the final test runs on these weights, whatever is on disk
+            self.best_state = {
+                k: v.detach().to("cpu", copy=True)
+                for k, v in model_tensors(self.eval_model()).items()
+            }
+            self.best_meta = {
+                **self.base_meta,
+                "epoch": record["epoch"],
+                "metrics": record,
+                "kind": "best",
+            }
+            save_checkpoint(self.out / files.BEST, self.best_state, self.best_meta)
         record["best"] = improved
         self.history.append(record)
         if self.tensorboard is not None:
@@ -355,6 +378,9 @@ class Trainer(RunSetUp):
             **(extra or {}),
         }
         save_checkpoint(self.out / files.LAST, {**model_tensors(self.model), **tensors}, meta)
+        if self.replace is not None:  # the new run has its first checkpoint: the old one goes
+            self.replace.commit()
+            self.replace = None
         emit(self.on_event, "checkpoint", path=str(self.out / files.LAST), epoch=epoch)
 
     # -- the end -------------------------------------------------------------------------------
@@ -373,6 +399,15 @@ class Trainer(RunSetUp):
             time.perf_counter() - self.t_start,
             self.history,
         )
+        limit = self.t.time_limit
+        if limit is not None and result.seconds > 1.1 * limit + 2.0:
+            emit(
+                self.on_event,
+                "warning",
+                message=f"the run took {result.seconds:.0f} s against its time limit of "
+                f"{limit:g} s: start-up, one training step and the final test cannot be cut "
+                "shorter; give a budget of at least a few steps",
+            )
         if self.dist.is_main:
             write_text_atomic(self.out / files.RESULTS, _json(result.to_dict()))
             if self.preset.log.curves:
@@ -380,10 +415,22 @@ class Trainer(RunSetUp):
         return result
 
     def _final_test(self) -> EvalResult | None:
+        """Test the selected weights: those kept in memory, or (a resumed run whose best epoch
+        came before the resume) ``best.safetensors`` once it is shown to be this run's."""
         best = self.out / files.BEST
-        if not best.exists():
+        if self.best_state is not None and self.best_meta is not None:
+            best_meta = dict(self.best_meta)
+            best_model = model_from_tensors(best, best_meta, self.best_state).to(self.device)
+        elif best.exists():
+            best_model, best_meta = load_checkpoint(best, device=self.device)
+            if best_meta.get("run_id") not in (None, self.run_id):
+                raise CapsctlError(
+                    f"{best}: written by another run (run id {best_meta.get('run_id')}, this "
+                    f"run's is {self.run_id}); the final test is skipped. Train into a folder "
+                    "of its own"
+                )
+        else:
             return None
-        best_model, best_meta = load_checkpoint(best, device=self.device)
         result = self._evaluate(best_model, self.data.test, "test")
         summary = {k: v for k, v in result.to_dict().items() if k != "confusion"}
         best_meta["test"] = summary
