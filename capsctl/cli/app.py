@@ -56,6 +56,27 @@ def _main(
 
     keep_freed_memory()  # freed tensors' pages are reused, not faulted in again each step
     short_omp_spin()  # before torch is imported: idle OpenMP threads sleep soon
+    _log_to_stderr()
+
+
+def _log_to_stderr() -> None:
+    """The library's log records (``capsctl.*`` loggers, e.g. the compiled loops' build notice
+    and warnings) as one line each on stderr: ``warning: ...`` or ``note: ...``."""
+    import logging
+
+    from capsctl.views.common import err, warning_line
+
+    class _Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            label = "warning:" if record.levelno >= logging.WARNING else "note:"
+            err.print(warning_line(record.getMessage(), label), soft_wrap=True)
+
+    log = logging.getLogger("capsctl")
+    for h in [h for h in log.handlers if type(h).__name__ == "_Lines"]:
+        log.removeHandler(h)  # a second main() in one process (tests) installs it once
+    log.addHandler(_Lines(logging.INFO))
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -70,14 +70,10 @@ class PrimaryCapsules(nn.Module):
 
 class PrimaryCapsulesWithActivations(PrimaryCapsules):
     """Poses from a 1x1 convolution (no LayerNorm) and one activation per capsule from a 1x1
-    convolution with bias and a sigmoid (EM routing, self-routing).
-
-    ``batch_norm=True`` puts a BatchNorm over the pose channels after the pose convolution and
-    one over the activation logits before the sigmoid, as Hahn et al.'s published
-    self-routing code does (SR-CapsNet, ``models/resnet.py``: ``bn_pose``, ``bn_a``): the
-    poses enter the routing with unit variance per entry.
-
-    ``forward`` returns poses ``[b, h, w, n, d]`` and activations ``[b, h, w, n]``."""
+    convolution with bias and a sigmoid (EM routing, self-routing); ``batch_norm=True`` adds
+    BatchNorm on the pose channels and on the activation logits, as SR-CapsNet's published
+    code does (``bn_pose``, ``bn_a``). Returns poses ``[b, h, w, n, d]``, activations
+    ``[b, h, w, n]``."""
 
     def __init__(self, in_channels: int, types: int, dim: int, *, batch_norm: bool = False) -> None:
         super().__init__(in_channels, types, dim, layer_norm=False)
