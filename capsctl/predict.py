@@ -214,7 +214,8 @@ def predict_images(
     matches nothing, or a file that cannot be decoded, is an error naming it; with
     ``skip_bad`` it is reported as a ``warning`` event and left out, and the other images are
     classified. ``top_k`` larger than the number of classes shows every class. Emits
-    ``eval_step`` events (``name="images"``, ``step``, ``steps``) per batch.
+    ``eval_step`` events (``name="images"``, ``step``, ``steps``) per batch, and a ``warning``
+    event for each warning of the image decoder (e.g. a very large image).
     """
     from capsctl.checkpoint import read_metadata
     from capsctl.data.images import describe_preprocessing
@@ -306,7 +307,7 @@ def _load_images(
     loaded: list[tuple[Path, LoadedImage]] = []
     for f in files:
         try:
-            loaded.append((f, load_image(f, channels, size)))
+            image = load_image(f, channels, size)
         except CapsctlError as e:
             if not skip_bad:
                 if isinstance(e, UnreadableImageError):
@@ -315,6 +316,10 @@ def _load_images(
             reason = e.reason if isinstance(e, UnreadableImageError) else str(e)
             skipped.append(Skipped(str(f), reason.removeprefix(f"{f}: ")))
             emit(on_event, "warning", message=f"skipped {f}: {skipped[-1].reason}")
+            continue
+        for text in image.warnings:
+            emit(on_event, "warning", message=f"{f}: {text}")
+        loaded.append((f, image))
     if not loaded:
         raise CapsctlError(
             f"none of the {len(files)} image file(s) could be read; see the warnings above"

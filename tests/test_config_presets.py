@@ -145,7 +145,32 @@ def test_registry_never_imports_config_and_config_hides_no_imports() -> None:
 
 def test_name_defaults_to_file_stem(tmp_path: Path) -> None:
     assert load_preset(str(write(tmp_path, "train: {epochs: 2}\n", "quick.yaml"))).name == "quick"
-    assert load_preset(str(write(tmp_path, "", "empty.yml"))).name == "empty"
+    assert load_preset(str(write(tmp_path, "description: d\n", "named.yml"))).name == "named"
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n"])
+def test_an_empty_preset_file_is_an_error(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text, "empty.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_preset(str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: the preset is empty") and "\n" not in message
+    assert "name, model, data and train" in message
+    with pytest.raises(ConfigError, match="<string>: the preset is empty"):
+        preset_from_yaml(text)
+
+
+def test_train_refuses_an_empty_preset_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from capsctl.cli import main
+
+    path = write(tmp_path, "", "empty.yaml")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--preset", str(path), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"{path}: the preset is empty" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:

@@ -854,3 +854,17 @@ def test_a_val_size_leaving_no_training_images_says_what_to_set() -> None:
         prepare_data(preset)
     message = str(info.value)
     assert "data.val_size: 100000" in message and "--set data.val_size=" in message
+
+
+def test_an_empty_home_or_xdg_cache_home_counts_as_unset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pwd = pytest.importorskip("pwd")
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    monkeypatch.delenv("CAPSCTL_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    monkeypatch.setenv("HOME", "")
+    assert resolve_data_dir(None) == home / ".cache" / "capsctl" / "data"
+    assert resolve_data_dir("~/d") == home / "d"
+    monkeypatch.setenv("CAPSCTL_DATA", "~/shared")
+    assert resolve_data_dir(None) == home / "shared"

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -501,3 +505,73 @@ def test_every_arch_gets_the_score_of_its_outputs(
     for i, p in enumerate(res.predictions):
         assert len(p.indices) == cfg.num_classes and p.indices[0] == int(out[i].argmax())
         assert torch.allclose(torch.tensor(p.scores), want[i, p.indices], atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Named pipes and decoder warnings (issue 26, finding 10)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+@pytest.mark.parametrize("which", ["image", "checkpoint"])
+def test_a_named_pipe_is_refused_not_read(tiny_checkpoint, tmp_path: Path, which: str) -> None:
+    ckpt = tiny_checkpoint()
+    image = tmp_path / "img.png"
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(image)
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    args = [str(ckpt), str(fifo)] if which == "image" else [str(fifo), str(image)]
+    res = subprocess.run(
+        [sys.executable, "-m", "capsctl", "predict", *args, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # reading the pipe would wait here forever
+    )
+    err = res.stderr.strip()
+    assert res.returncode in (1, 2) and len(err.splitlines()) == 1, err
+    assert f"{fifo}: " in err or f"{fifo} is" in err
+    assert "not a regular file" in err and "pass a" in err and "Traceback" not in err
+
+
+def test_a_named_pipe_is_skipped_with_skip_bad(tiny_checkpoint, tmp_path: Path) -> None:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes on this platform")
+    image = tmp_path / "img.png"
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(image)
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="not a regular file"):
+        load_image(fifo, 1, 28)
+    res = predict_images(tiny_checkpoint(), [fifo, image], skip_bad=True, device="cpu")
+    assert [p.path for p in res.predictions] == [str(image)]
+    assert res.skipped[0].path == str(fifo) and "not a regular file" in res.skipped[0].reason
+
+
+def test_decompression_bomb_warning_is_one_clear_line(
+    tiny_checkpoint,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    image = tmp_path / "big.png"
+    Image.fromarray(np.full((28, 28), 7, np.uint8)).save(image)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # 784 pixels: a warning, no error
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_image(image, 1, 28)
+        code, out, err = run(capsys, "predict", str(tiny_checkpoint()), str(image))
+    assert caught == []  # nothing reaches Python's warning machinery (stderr)
+    assert len(loaded.warnings) == 1 and "very large image" in loaded.warnings[0]
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"warning: {image}: {loaded.warnings[0]}"]
+    assert "DecompressionBombWarning" not in err
+
+
+def test_an_all_nan_float_image_is_black_without_a_warning(tmp_path: Path) -> None:
+    path = tmp_path / "nan.tif"
+    Image.fromarray(np.full((8, 8), np.nan, np.float32), mode="F").save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "All-NaN slice encountered" would raise
+        loaded = load_image(path, 1, 8)
+    assert int(loaded.pixels.max()) == 0 and loaded.warnings == ()

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from capsctl.cli.app import JsonOpt, app
+from capsctl.cli.inputs import require_input
 from capsctl.errors import UsageError
 
 
@@ -38,8 +39,7 @@ def eval_cmd(
 
     if json_out and csv_out:
         raise UsageError("--json and --csv exclude each other")
-    if not ckpt.exists():
-        raise UsageError(f"{ckpt}: no such file")
+    require_input(ckpt)
     with simple_progress("eval", quiet=json_out or csv_out) as on_event:
         res, meta = evaluate_checkpoint(
             ckpt,
@@ -86,8 +86,7 @@ def predict_cmd(
     from capsctl.views.evaluation import print_predictions
     from capsctl.views.progress import simple_progress
 
-    if not ckpt.exists():
-        raise UsageError(f"{ckpt}: no such file")
+    require_input(ckpt)
     with simple_progress("predict", quiet=json_out) as on_event:
         res = predict_images(
             ckpt,

@@ -78,7 +78,8 @@ def yaml_problem(error: yaml.YAMLError) -> str:
 
 
 def parse_preset_text(text: str, source: str) -> dict[str, Any]:
-    """The top-level mapping of a preset's YAML text; ``source`` names it in errors."""
+    """The top-level mapping of a preset's YAML text; ``source`` names it in errors. Empty text
+    (or only comments) is a :class:`ConfigError`: it would silently train with every default."""
     try:
         raw = load_yaml(text)
     except yaml.YAMLError as e:
@@ -88,8 +89,11 @@ def parse_preset_text(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(
             f"{where}: invalid YAML ({yaml_problem(e)}{column}); fix the syntax"
         ) from None
-    if raw is None:
-        return {}
+    if raw is None:  # an empty file (or only comments) is a mistake, not "all defaults"
+        raise ConfigError(
+            f"{source}: the preset is empty (no fields); write its name, model, data and train "
+            "fields (see capsctl presets for examples) or pass another preset"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{source}: expected a mapping of preset fields (name, description, model, data, "

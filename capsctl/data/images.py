@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,7 @@ class LoadedImage:
 
     pixels: Tensor  # uint8 [C, H, W]
     description: str  # e.g. "PNG RGBA 64x48 -> RGB (alpha on black), resized to 32x32 (...)"
+    warnings: tuple[str, ...] = ()  # what the decoder warned about, one line each
 
 
 def channel_name(channels: int) -> str:
@@ -128,7 +130,9 @@ def load_image(path: str | os.PathLike[str], channels: int, size: int) -> Loaded
     """Decode ``path`` and make it ``channels x size x size`` (see the module docstring).
 
     Raises :class:`~capsctl.errors.UsageError` when the file does not exist and
-    :class:`~capsctl.errors.DataError` naming the file when it cannot be decoded.
+    :class:`~capsctl.errors.DataError` naming the file when it is not a regular file (a named
+    pipe would block) or cannot be decoded. Warnings of the decoder (such as Pillow's
+    ``DecompressionBombWarning``) are not shown; they are returned as one-line ``warnings``.
     """
     path = Path(path)
     if channels not in (1, 3):
@@ -139,7 +143,11 @@ def load_image(path: str | os.PathLike[str], channels: int, size: int) -> Loaded
         raise UsageError(f"{path}: no such image file")
     if path.is_dir():
         raise DataError(f"{path} is a folder, not an image file")
-    array, source, steps = _decode(path)  # uint8 [H, W, c], c in 1..4
+    if not path.is_file():  # reading a named pipe would wait for a writer forever
+        raise DataError(
+            f"{path} is not a regular file (a named pipe, socket or device); pass an image file"
+        )
+    array, source, steps, notes = _decode(path)  # uint8 [H, W, c], c in 1..4
     array, step = _to_channels(array, channels)
     if step:
         steps.append(step)
@@ -148,7 +156,7 @@ def load_image(path: str | os.PathLike[str], channels: int, size: int) -> Loaded
     if step:
         steps.append(step)
     text = f"{source} -> {', '.join(steps)}" if steps else f"{source}, used as is"
-    return LoadedImage(pixels, text)
+    return LoadedImage(pixels, text, notes)
 
 
 def fit_to_size(pixels: Tensor, size: int) -> tuple[Tensor, str]:
@@ -179,8 +187,26 @@ def fit_to_size(pixels: Tensor, size: int) -> tuple[Tensor, str]:
     return pixels, f"center-cropped to {size}x{size}"
 
 
-def _decode(path: Path) -> tuple[np.ndarray, str, list[str]]:
-    """``(uint8 [H, W, c] with c = 1 gray, 2 gray+alpha, 3 RGB or 4 RGBA, source, steps)``."""
+def _warning_text(w: warnings.WarningMessage) -> str:
+    """A decoder's warning as one line: Pillow's bomb check in words, others as they are."""
+    from PIL import Image
+
+    if issubclass(w.category, Image.DecompressionBombWarning):
+        return f"very large image, decoded anyway (Pillow: {' '.join(str(w.message).split())})"
+    return " ".join(str(w.message).split())
+
+
+def _decode(path: Path) -> tuple[np.ndarray, str, list[str], tuple[str, ...]]:
+    """``(uint8 [H, W, c] with c = 1 gray, 2 gray+alpha, 3 RGB or 4 RGBA, source, steps,
+    the decoder's warnings)``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        array, source, steps = _decode_quietly(path)
+    notes = tuple(dict.fromkeys(_warning_text(w) for w in caught))
+    return array, source, steps, notes
+
+
+def _decode_quietly(path: Path) -> tuple[np.ndarray, str, list[str]]:
     from PIL import Image, ImageOps
 
     steps: list[str] = []
@@ -215,7 +241,8 @@ def _to_array(im: Any) -> tuple[np.ndarray, str]:
     if mode in ("I", "F") or mode.startswith("I;16"):
         wide = np.asarray(im, dtype=np.float64)  # [H, W]
         if mode == "F":
-            scale = 255.0 if wide.size and float(np.nanmax(wide)) <= 1.0 else 1.0
+            numbers = wide[~np.isnan(wide)]  # an all-NaN image has none (and is black)
+            scale = 255.0 if numbers.size and float(numbers.max()) <= 1.0 else 1.0
             gray = np.nan_to_num(wide) * scale
             note = "8-bit gray"
         else:

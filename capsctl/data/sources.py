@@ -13,6 +13,10 @@ Where data is looked for (``root`` = :func:`resolve_data_dir`):
 - ``diverse-multimnist``: composed from the MNIST split found as above
   (:mod:`capsctl.data.multimnist`); the result remembers its source digits, so that
   :func:`~capsctl.data.split_train_val` holds out MNIST digits, not composites.
+- ``expanded-mnist``: MNIST digits at random places on 40x40 canvases
+  (:mod:`capsctl.data.expanded_mnist`), generated from the MNIST split found as above.
+- ``smallnorb``, ``smallnorb-azimuth``, ``smallnorb-elevation``: the official smallNORB files
+  in ``root/smallnorb`` or ``root`` (:mod:`capsctl.data.smallnorb`; never downloaded here).
 - ``fashion-mnist-quickstart``: the subset shipped inside the package (no files needed).
 - ``imagefolder:<path>``: ``<path>/<split>/<class>/*.png|jpg|jpeg|bmp|gif|webp``
   (:mod:`capsctl.data.imagefolder`).
@@ -63,16 +67,45 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
     """The data root: ``data_dir`` if given, else ``$CAPSCTL_DATA``, else the user cache.
 
     The cache is ``$XDG_CACHE_HOME/capsctl/data`` (``~/.cache/capsctl/data`` when
-    ``XDG_CACHE_HOME`` is unset or not absolute). ``~`` is expanded; nothing is created.
+    ``XDG_CACHE_HOME`` is unset, empty or not absolute). ``~`` is expanded; an empty ``HOME``
+    counts as unset (the home folder is then the one the user database names, never ``/``).
+    Nothing is created.
     """
     if data_dir is not None and str(data_dir) != "":
-        return Path(data_dir).expanduser()
+        return _expand_user(data_dir)
     env = os.environ.get("CAPSCTL_DATA", "")
     if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    cache = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+        return _expand_user(env)
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    cache = Path(xdg) if xdg and Path(xdg).is_absolute() else _home() / ".cache"
     return cache / "capsctl" / "data"
+
+
+def _home() -> Path:
+    """The user's home folder: ``$HOME``, or the user database's when HOME is unset or empty."""
+    home = os.environ.get("HOME", "").strip()
+    if home or os.name == "nt":
+        return Path(home) if home else Path.home()
+    try:
+        import pwd
+
+        found = pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError, OSError):
+        found = ""
+    if not found:
+        raise DataError(
+            "HOME is empty and this user has no home folder; set CAPSCTL_DATA or pass "
+            "--data-dir to say where datasets live"
+        )
+    return Path(found)
+
+
+def _expand_user(path: str | Path) -> Path:
+    """``path`` with a leading ``~`` replaced by :func:`_home` (``~user`` as the OS says)."""
+    text = os.fspath(path)
+    if text == "~" or text.startswith(("~/", "~" + os.sep)):
+        return _home() / text[2:]
+    return Path(text).expanduser()
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +164,21 @@ def load_dataset(
             mnist, source = _load_idx_dataset("mnist", split, root, download, on_event)
             ds = diverse_multimnist(mnist, seed=SEEDS[split], name="diverse-multimnist")
             source = f"generated from MNIST in {source}"
+        elif base == "expanded-mnist":
+            _reject_test_file(base, test_file)
+            from capsctl.data.expanded_mnist import SEEDS as EXPANDED_SEEDS
+            from capsctl.data.expanded_mnist import expanded_mnist
+
+            mnist, source = _load_idx_dataset("mnist", split, root, download, on_event)
+            ds = expanded_mnist(mnist, seed=EXPANDED_SEEDS[split])
+            source = f"generated from MNIST in {source}"
+        elif base.startswith("smallnorb"):
+            _reject_test_file(base, test_file)
+            from capsctl.data.smallnorb import load_smallnorb
+
+            folder = root / "smallnorb" if (root / "smallnorb").is_dir() else root
+            view = base.split("-", 1)[1] if "-" in base else None
+            ds, source = load_smallnorb(folder, split, view), str(folder)
         elif base == "fashion-mnist-quickstart":
             _reject_test_file(base, test_file)
             ds, source = _load_quickstart(split)

@@ -97,7 +97,7 @@ class TrainProgress:
                 )
             self.progress.update(self.task, completed=e["done"], total=e.get("total"))
         elif kind == "warning":
-            self.progress.console.print(warning_line(str(e["message"])))
+            self.progress.console.print(warning_line(str(e["message"])), soft_wrap=True)
 
 
 @contextmanager
@@ -123,7 +123,7 @@ def simple_progress(description: str, quiet: bool = False) -> Iterator[Any]:
                 task[key] = progress.add_task(key, total=total)
             progress.update(task[key], completed=e["step"], total=total)
         elif kind == "warning" and not quiet:
-            progress.console.print(warning_line(str(e["message"])))
+            progress.console.print(warning_line(str(e["message"])), soft_wrap=True)
 
     with progress:
         yield on_event

@@ -1,0 +1,20 @@
+"""Checks of the input paths a command names, before any work: present and readable without
+blocking (a named pipe would wait for a writer forever)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from capsctl.errors import UsageError
+
+__all__ = ["require_input"]
+
+
+def require_input(path: Path, what: str = "checkpoint") -> None:
+    """UsageError naming ``path`` unless it is a regular file or a folder."""
+    if not path.exists():
+        raise UsageError(f"{path}: no such file")
+    if not (path.is_file() or path.is_dir()):
+        raise UsageError(
+            f"{path}: not a regular file (a named pipe, socket or device); pass a {what} file"
+        )
