@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from capsctl.cli.app import JsonOpt, app
-from capsctl.errors import UsageError
+from capsctl.cli.inputs import require_input
 
 
 @app.command("export")
@@ -55,8 +55,7 @@ def export_cmd(
     from capsctl.views.artifacts import print_export
     from capsctl.views.common import print_json, spinner
 
-    if not ckpt.exists():
-        raise UsageError(f"{ckpt}: no such file")
+    require_input(ckpt)
     status = spinner(f"exporting {ckpt.name} to {fmt}")
     with status if not json_out else contextlib.nullcontext():
         res = export_checkpoint(
