@@ -211,12 +211,9 @@ def predict_images(
     """Top-``top_k`` classes of every image in ``paths`` (files, folders, glob patterns).
 
     Paths are expanded by :func:`capsctl.data.images.expand_image_paths`. An argument that
-    matches nothing, or a file that cannot be decoded, is an error naming it; with
-    ``skip_bad`` it is reported as a ``warning`` event and left out, and the other images are
-    classified. ``top_k`` larger than the number of classes shows every class. Emits
-    ``eval_step`` events (``name="images"``, ``step``, ``steps``) per batch, and a ``warning``
-    event for each warning of the image decoder (e.g. a very large image).
-    """
+    matches nothing, or a file not regular or not decodable, is an error naming it (with
+    ``skip_bad``: a ``warning`` event, the file left out). ``top_k`` above the class count shows
+    all. Events: ``eval_step`` (``name="images"``, ``step``, ``steps``), ``warning``."""
     from capsctl.checkpoint import read_metadata
     from capsctl.data.images import describe_preprocessing
 
@@ -317,9 +314,9 @@ def _load_images(
             skipped.append(Skipped(str(f), reason.removeprefix(f"{f}: ")))
             emit(on_event, "warning", message=f"skipped {f}: {skipped[-1].reason}")
             continue
+        loaded.append((f, image))
         for text in image.warnings:
             emit(on_event, "warning", message=f"{f}: {text}")
-        loaded.append((f, image))
     if not loaded:
         raise CapsctlError(
             f"none of the {len(files)} image file(s) could be read; see the warnings above"
