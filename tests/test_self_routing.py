@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,63 @@ def test_child_major_sites_are_the_sites_transposed(kind: str) -> None:
         want = child
     xj, _ = layer.child_sites(child)
     assert xj.is_contiguous() and torch.equal(xj, want.transpose(0, 1))
+
+
+# -- the primary capsules' BatchNorm (model.router.primary_norm) -------------------------------
+
+
+def _fast_self(primary_norm: str | None) -> torch.nn.Module:
+    from capsctl.config import load_preset
+    from capsctl.models import build_model_from_config
+
+    router = (
+        "{name: self}" if primary_norm is None else f"{{name: self, primary_norm: {primary_norm}}}"
+    )
+    return build_model_from_config(
+        load_preset("cifar10-caps-fast", [f"model.router={router}"]).model
+    )
+
+
+def test_primary_norm_defaults_to_batch_norm_as_the_authors_code() -> None:
+    default, bare = _fast_self(None), _fast_self("none")
+    assert isinstance(default.primary.pose_bn, torch.nn.BatchNorm2d)
+    assert isinstance(default.primary.act_bn, torch.nn.BatchNorm2d)
+    assert isinstance(bare.primary.pose_bn, torch.nn.Identity)
+    names = {n for n, _ in bare.named_parameters()}
+    assert not any("_bn" in n for n in names)
+
+
+def test_the_zero_initialized_routing_plateau_and_how_batch_norm_shortens_it() -> None:
+    """With routing weights and biases at zero (the authors' init) every class activation is
+    exactly 1/10, and nothing below the routing logits gets a gradient: only the routing weights
+    learn at first, at a rate proportional to the child poses. Poses under BatchNorm (unit
+    variance) give the routing weights a gradient several times larger than the bare 1x1
+    convolution's (pose std about 0.38 on the fast backbone)."""
+    grads = {}
+    for norm in ("none", "batch"):
+        torch.manual_seed(0)
+        model = _fast_self(norm).train()
+        x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        y = torch.arange(32) % 10
+        out = model(x)
+        assert torch.allclose(out, torch.full_like(out, math.log(0.1)), atol=1e-6)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        assert float(model.primary.conv.weight.grad.abs().max()) == 0.0
+        grads[norm] = float(model.capsules[0].route_weight.grad.norm())
+    assert grads["batch"] > 2.0 * grads["none"] > 0.0
+
+
+def test_a_stored_self_routing_model_without_the_knob_loads_without_batch_norm(
+    tmp_path: Path,
+) -> None:
+    from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
+    from capsctl.config import load_preset, preset_to_dict
+
+    preset = load_preset("cifar10-caps-fast", ["model.router={name: self, primary_norm: none}"])
+    model = _fast_self("none")
+    stored = preset_to_dict(preset)
+    stored["model"]["router"] = {"name": "self"}  # as written before the knob existed
+    path = tmp_path / "old.safetensors"
+    save_checkpoint(path, model_tensors(model), {"preset": stored, "classes": list("abcdefghij")})
+    loaded, _ = load_checkpoint(path)
+    assert isinstance(loaded.primary.pose_bn, torch.nn.Identity)
