@@ -90,7 +90,9 @@ def compare_cmd(
     suite: Annotated[
         str | None,
         typer.Option(
-            "--suite", help="A named set: paper (the paper's CIFAR comparison) or paper-cifar10."
+            "--suite",
+            help="A named set: paper (the paper's CIFAR comparison) or paper-cifar10; or a "
+            "capsctl suite (e.g. cifar10-fast), whose rows carry its measured accuracy.",
         ),
     ] = None,
     speed: Annotated[
@@ -110,6 +112,7 @@ def compare_cmd(
 ) -> None:
     """Parameters, GFLOPs, speed and accuracy side by side, with ratios against resnet18."""
     from capsctl.compare import compare, suite_targets
+    from capsctl.compare.targets import SUITES
     from capsctl.views.common import print_json
     from capsctl.views.measure import footer_lines, print_compare
     from capsctl.views.progress import simple_progress
@@ -127,6 +130,7 @@ def compare_cmd(
             evaluate=eval_,
             data_dir=data_dir,
             on_event=on_event,
+            suite_names=[suite] if suite is not None and suite not in SUITES else [],
         )
     if json_out:
         print_json({**report.to_dict(), "footer": footer_lines(report)})

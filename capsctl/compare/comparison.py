@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from capsctl.compare.flops import count_flops
+from capsctl.compare.measured import is_suite_folder, suite_member_targets
 from capsctl.compare.published import reference_accuracy
 from capsctl.compare.report import CompareReport, CompareRow, reference_ratios
 from capsctl.compare.targets import Target, find_target, stored_accuracy
@@ -36,6 +37,7 @@ def compare(
     evaluate: bool = False,
     data_dir: str | None = None,
     on_event: EventFn = None,
+    suite_names: Sequence[str] = (),
 ) -> CompareReport:
     """Compare the given targets (see :func:`~capsctl.compare.targets.find_target`); one row
     per target, in order.
@@ -51,6 +53,10 @@ def compare(
 
     Events: ``{"event": "compare_model", "name", "step", "steps"}`` before each target
     (``step`` counts from 1), plus the events of ``run_bench`` and ``evaluate_checkpoint``.
+
+    A spec in ``suite_names`` (a ``capsctl suite`` name or file) or a folder written by
+    ``capsctl suite run`` stands for the suite's members, each row with its ``measured``
+    accuracy (:mod:`capsctl.compare.measured`).
     """
     if isinstance(specs, str):
         specs = [specs]
@@ -60,12 +66,18 @@ def compare(
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     if speed:
         _check_speed_options(batch_size, iters, device)
-    targets = [find_target(s) for s in specs]
+    targets: list[tuple[Target, dict | None]] = []
+    for s in specs:
+        if is_suite_folder(s) or s in suite_names:
+            targets += suite_member_targets(s)  # a suite's members, with measured accuracy
+        else:
+            targets.append((find_target(s), None))
 
     rows: list[CompareRow] = []
-    for index, target in enumerate(targets):
+    for index, (target, measured) in enumerate(targets):
         emit(on_event, "compare_model", name=target.name, step=index + 1, steps=len(targets))
         row = _static_row(target)
+        row.measured = measured
         if speed:
             _add_speed(
                 row,

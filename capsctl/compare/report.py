@@ -60,6 +60,7 @@ class CompareRow:
     train_step_s: float | None = None
     infer_images_per_s: float | None = None
     peak_memory_bytes: int | None = None
+    measured: dict[str, Any] | None = None  # from a suite (capsctl/compare/measured.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,6 +142,10 @@ CSV_COLUMNS = (
     "train_step_s",
     "infer_images_per_s",
     "peak_memory_bytes",
+    "measured_top1_mean",
+    "measured_top1_std",
+    "measured_seeds",
+    "measured_source",
 )
 
 
@@ -178,5 +183,8 @@ class CompareReport:
             flat["params_total"] = params.get("total")
             flat["params_backbone"] = params.get("backbone")
             flat["params_capsules"] = params.get("capsules")
+            measured = flat.pop("measured") or {}
+            for key in ("top1_mean", "top1_std", "seeds", "source"):
+                flat[f"measured_{key}"] = measured.get(key)
             writer.writerow([_csv_value(flat.get(col)) for col in CSV_COLUMNS])
         return buf.getvalue()

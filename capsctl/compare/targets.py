@@ -178,14 +178,21 @@ def stored_accuracy(path: Path) -> tuple[float | None, str | None]:
 
 
 def suite_targets(suite: str | None, models: list[str]) -> list[str]:
-    """The targets of ``capsctl compare``: a named suite's (if any) followed by ``models``."""
+    """The targets of ``capsctl compare``: a named set's (:data:`SUITES`) or a ``capsctl
+    suite``'s name or file (one target standing for its members), followed by ``models``."""
     from capsctl.errors import UsageError
 
     targets = list(models)
     if suite is not None:
-        if suite not in SUITES:
-            raise UsageError(f"--suite {suite}: unknown; choose one of {', '.join(SUITES)}")
-        targets = SUITES[suite] + targets
+        if suite in SUITES:
+            targets = SUITES[suite] + targets
+        else:
+            from capsctl.suites import list_suites
+
+            known = [*SUITES, *(n for n, _ in list_suites())]
+            if suite not in known and not Path(suite).is_file():
+                raise UsageError(f"--suite {suite}: unknown; choose one of {', '.join(known)}")
+            targets = [suite, *targets]
     if not targets:
         raise UsageError("name models to compare (see capsctl models), or --suite paper")
     return targets

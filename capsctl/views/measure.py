@@ -89,7 +89,7 @@ def footer_lines(report: Any) -> list[str]:
     return [footer_line(r) for r in report.ratios]
 
 
-def _compare_row(r: Any, speed: bool) -> list[Any]:
+def _compare_row(r: Any, speed: bool, measured: bool = False) -> list[Any]:
     row = [
         r.name,
         fmt_int(r.params["total"]),
@@ -105,15 +105,25 @@ def _compare_row(r: Any, speed: bool) -> list[Any]:
             "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
             fmt_bytes(r.peak_memory_bytes),
         ]
-    return row + [fmt_pct(r.accuracy), fmt_pct(r.reference_accuracy)]
+    row += [fmt_pct(r.accuracy)]
+    if measured:
+        m = r.measured
+        if m is None or m.get("top1_mean") is None:
+            row.append("-")
+        else:
+            std = m.get("top1_std")
+            spread = f" ± {100 * std:.2f}" if std is not None else ""
+            row.append(f"{100 * m['top1_mean']:.2f}{spread} ({m['seeds']})")
+    return row + [fmt_pct(r.reference_accuracy)]
 
 
 def print_compare(report: Any, speed: bool) -> None:
     cols = ["model", "params", "backbone", "capsules", "GFLOPs", "all passes", "T"]
     if speed:
         cols += ["train step", "infer img/s", "peak mem"]
-    cols += ["accuracy", "published"]
-    body = [_compare_row(r, speed) for r in report.rows]
+    measured = any(r.measured for r in report.rows)
+    cols += ["accuracy", *(["measured % (seeds)"] if measured else []), "published"]
+    body = [_compare_row(r, speed, measured) for r in report.rows]
     out.print(table("capsctl compare", cols, body, right=tuple(range(1, len(cols)))))
     for line in footer_lines(report):
         out.print(line)
@@ -121,5 +131,13 @@ def print_compare(report: Any, speed: bool) -> None:
     for r in report.rows:
         if r.reference_source:
             note(f"published ({r.name}): {r.reference_source}")
+    sources = {(m["source"], m["test_set"], m.get("test_images")) for m in _measured(report)}
+    for src, test, n in sorted(sources, key=str):
+        images = f", {n:,} images" if n else ""
+        note(f"measured: {src} (top-1 on {test}{images}; mean ± std over seeds)")
     for src in sorted({r.accuracy_source for r in report.rows if r.accuracy_source}):
         note(f"accuracy source: {src}")
+
+
+def _measured(report: Any) -> list[dict[str, Any]]:
+    return [r.measured for r in report.rows if r.measured]
