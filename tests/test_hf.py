@@ -558,3 +558,20 @@ def test_missing_local_path(tmp_path: Path) -> None:
         capsctl.from_pretrained(tmp_path / "nope")
     with pytest.raises(UsageError, match="applies to Hub ids only"):
         capsctl.from_pretrained(tmp_path, revision="main")
+
+
+def test_cli_hf_export_into_a_taken_folder_needs_overwrite(
+    tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tiny_checkpoint()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("keep me")
+    args = ["export", str(ckpt), "--format", "hf", "--out", str(taken)]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and str(taken) in err and "--overwrite" in err
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    main([*args, "--overwrite", "--json"])
+    assert (taken / "config.json").is_file() and not (taken / "notes.txt").exists()
