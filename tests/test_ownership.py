@@ -43,7 +43,8 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path: Path) -> None:
     code = (
         "import sys, time; from pathlib import Path;"
         "from capsctl.training.ownership import RunLock;"
-        f"lock = RunLock(Path({str(folder)!r})).acquire(); print('locked', flush=True); time.sleep(60)"
+        f"lock = RunLock(Path({str(folder)!r})).acquire();"
+        "print('locked', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env()

@@ -423,6 +423,10 @@ def write_checkpoint(
     cfg = resolve_config(spec)
     torch.manual_seed(0)
     model = build_model_from_config(cfg).eval()
+    with torch.no_grad():  # zero-initialized weights (self-routing's gating) would tie classes
+        for p in model.parameters():
+            if p.dim() > 1 and not bool(p.any()):
+                p.normal_(0.0, 0.5)
     mean, std = [0.5] * cfg.in_channels, [0.25] * cfg.in_channels
     classes = [f"c{i}" for i in range(cfg.num_classes)]
     preset = Preset(

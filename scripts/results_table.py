@@ -1,0 +1,130 @@
+"""The README's comparison tables, generated from the results files in ``capsctl/results/``.
+
+``python scripts/results_table.py`` prints every suite's table; ``--write README.md`` replaces
+the text between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in the README with the
+table of ``capsctl/results/NAME.csv`` (every other line is left as it is); ``--check
+README.md`` exits 1 when the README's tables differ from the files (CI runs it through the
+tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from capsctl.suites.report import read_results  # noqa: E402
+
+RESULTS = ROOT / "capsctl" / "results"
+_BLOCK = re.compile(
+    r"(<!-- results:(?P<name>[\w.-]+) -->\n)(.*?)(<!-- /results:(?P=name) -->)", re.S
+)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}"
+
+
+def _cell(row: dict) -> str:
+    if row["top1_mean"] is None:
+        return "-"
+    std = "" if row["top1_std"] is None else f" ± {_pct(row['top1_std'])}"
+    se = "" if row["top1_se"] is None else f" (se {_pct(row['top1_se'])})"
+    return f"{_pct(row['top1_mean'])}{std}{se}"
+
+
+def table(path: Path) -> str:
+    """A markdown table of one results file: a row per member, a column per test set."""
+    rows = read_results(path)
+    tests: list[str] = []
+    members: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if r["test_set"] not in tests:
+            tests.append(r["test_set"])
+        members[r["member"]][r["test_set"]] = r
+    head = [
+        "member",
+        "model",
+        *[f"top-1 % {t} (mean ± std)" for t in tests],
+        "seeds",
+        "epochs",
+        "wall s",
+        "train img/s",
+        "params",
+        "GFLOPs",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for member, by_test in members.items():
+        first = by_test[tests[0]] if tests[0] in by_test else next(iter(by_test.values()))
+        cells = [
+            member,
+            first["model"],
+            *[_cell(by_test[t]) if t in by_test else "-" for t in tests],
+        ]
+        cells += [
+            str(first["seeds_run"] or 0),
+            "-" if first["epochs"] is None else f"{first['epochs']:.1f}",
+            "-" if first["wall_s"] is None else f"{first['wall_s']:.0f}",
+            "-" if first["train_images_per_s"] is None else f"{first['train_images_per_s']:.0f}",
+            f"{first['params']:,}" if first["params"] else "-",
+            "-" if first["gflops"] is None else f"{first['gflops']:.3f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    machines = sorted({(r["cpu"], r["cores"], r["torch"], r["commit"]) for r in rows}, key=str)
+    for cpu, cores, torch, commit in machines:
+        lines.append("")
+        lines.append(
+            f"Measured on {cpu or 'an unrecorded CPU'} ({cores or '?'} cores), torch "
+            f"{torch or '?'}, capsctl commit {commit or 'not recorded'}; "
+            f"`capsctl/results/{path.name}`."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render(text: str) -> str:
+    """``text`` with every results block replaced by its table."""
+
+    def one(m: re.Match[str]) -> str:
+        path = RESULTS / f"{m.group('name')}.csv"
+        body = table(path) if path.is_file() else "(no results file yet)\n"
+        return m.group(1) + body + m.group(4)
+
+    return _BLOCK.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--write", type=Path, help="replace the README's results blocks")
+    group.add_argument("--check", type=Path, help="exit 1 when the README's blocks are stale")
+    args = ap.parse_args(argv)
+    if args.write or args.check:
+        path = args.write or args.check
+        text = path.read_text(encoding="utf-8")
+        new = render(text)
+        if args.check:
+            if new != text:
+                print(
+                    f"{path}: results tables differ from capsctl/results/; run "
+                    f"python scripts/results_table.py --write {path}",
+                    file=sys.stderr,
+                )
+                return 1
+            return 0
+        if new != text:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(new, encoding="utf-8")
+            tmp.replace(path)
+        return 0
+    for f in sorted(RESULTS.glob("*.csv")):
+        print(f"## {f.stem}\n\n{table(f)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

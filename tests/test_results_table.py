@@ -1,0 +1,56 @@
+"""scripts/results_table.py: the README's comparison tables come from capsctl/results/."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from capsctl.suites import load_suite, report_suite, write_results
+from tests.test_measured import _suite_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "results_table", ROOT / "scripts/results_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_of_a_results_file(tmp_path: Path) -> None:
+    runs = _suite_folder(tmp_path)
+    path = tmp_path / "s-cpu.csv"
+    write_results(report_suite(load_suite(runs / "suite.yaml"), runs, score=False), path)
+    text = _script().table(path)
+    lines = text.splitlines()
+    assert lines[0].startswith("| member | model | top-1 % t1 (mean ± std) | seeds |")
+    caps = next(line for line in lines if line.startswith("| caps |"))
+    assert "| 80.00 ± 7.07 (se 5.00) | 2 | 2.0 | 20 | 200 |" in caps
+    cnn = next(line for line in lines if line.startswith("| cnn |"))
+    assert "| - | 0 |" in cnn
+
+
+def test_render_replaces_only_the_results_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _script()
+    runs = _suite_folder(tmp_path)
+    write_results(
+        report_suite(load_suite(runs / "suite.yaml"), runs, score=False), tmp_path / "s-cpu.csv"
+    )
+    monkeypatch.setattr(script, "RESULTS", tmp_path)
+    text = "before\n<!-- results:s-cpu -->\nstale\n<!-- /results:s-cpu -->\nafter\n"
+    new = script.render(text)
+    assert new.startswith("before\n<!-- results:s-cpu -->\n| member |")
+    assert new.endswith("<!-- /results:s-cpu -->\nafter\n") and "stale" not in new
+    assert script.render(new) == new
+
+
+def test_the_readme_tables_are_the_results_files() -> None:
+    assert _script().main(["--check", str(ROOT / "README.md")]) == 0
