@@ -7,7 +7,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from capsctl.views.common import err, out, styled
+from capsctl.views.common import err, out, styled, table
 from capsctl.views.progress import TrainProgress
 
 __all__ = ["SuiteProgress", "print_suite_list", "print_suite_report"]
@@ -68,44 +68,33 @@ def _acc_cell(t: dict[str, Any]) -> str:
 
 
 def print_suite_report(doc: dict[str, Any]) -> None:
-    """The report as a table: one row per member."""
-    table = Table(
-        title=Text(f"suite {doc['suite']}: {doc['folder']}"),
-        show_header=True,
-        header_style="bold",
-    )
-    table.add_column("member", no_wrap=True)
-    for test in doc["tests"]:
-        table.add_column(Text(f"top-1 % {test}\nmean ± std (se)"), justify="right", no_wrap=True)
-    table.add_column("seeds", justify="right", no_wrap=True)
-    table.add_column("params", justify="right", no_wrap=True)
-    table.add_column("GFLOPs", justify="right", no_wrap=True)
-    table.add_column("epochs", justify="right", no_wrap=True)
-    table.add_column("wall s", justify="right", no_wrap=True)
-    table.add_column("img/s", justify="right", no_wrap=True)
-    table.add_column("published", justify="right", overflow="fold")
-    notes = []
+    """The report as a table that fits the terminal (numbers never cut): one row per member."""
+    cols = ["member"]
+    cols += [f"top-1 % {test} mean ± std (se)" for test in doc["tests"]]
+    cols += ["seeds", "params", "GFLOPs", "epochs", "wall s", "img/s", "published"]
+    body, notes = [], []
     for r in doc["rows"]:
-        cells = [Text(r["member"])]
+        cells = [r["member"]]
         for test in doc["tests"]:
             t = r["tests"][test]
             se = f" ({_pct(t['top1_se'])})" if t["top1_se"] is not None else ""
-            cells.append(Text(_acc_cell(t) + se))
-        cells.append(Text(f"{len(r['seeds_done'])}/{len(r['seeds_planned'])}"))
-        cells.append(Text(f"{r['params']:,}" if r["params"] is not None else "-"))
-        cells.append(Text(f"{r['gflops']:.3f}" if r["gflops"] is not None else "-"))
-        cells.append(Text(f"{r['epochs']:.1f}" if r["epochs"] is not None else "-"))
-        cells.append(Text(f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-"))
+            cells.append(_acc_cell(t) + se)
+        cells.append(f"{len(r['seeds_done'])}/{len(r['seeds_planned'])}")
+        cells.append(f"{r['params']:,}" if r["params"] is not None else "-")
+        cells.append(f"{r['gflops']:.3f}" if r["gflops"] is not None else "-")
+        cells.append(f"{r['epochs']:.1f}" if r["epochs"] is not None else "-")
+        cells.append(f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-")
         speed = r["train_images_per_s"]
-        cells.append(Text(f"{speed:.0f}" if speed is not None else "-"))
+        cells.append(f"{speed:.0f}" if speed is not None else "-")
         pub = r.get("published")
-        cells.append(Text(_published(pub["top1"]) + "*" if pub else "-"))
-        table.add_row(*cells)
+        cells.append(_published(pub["top1"]) + "*" if pub else "-")
+        body.append(cells)
         if r.get("budget") == "matched":
             notes.append(f"{r['member']}: stopped at the other members' median wall time")
         if pub:
             notes.append(f"*{r['member']}: {pub['source']}; {pub['setting']}")
-    out.print(table)
+    title = f"suite {doc['suite']}: {doc['folder']}"
+    out.print(table(title, cols, body, right=tuple(range(1, len(cols)))))
     for test in doc["tests"]:
         n = next(
             (r["tests"][test]["images"] for r in doc["rows"] if r["tests"][test]["images"]), None
