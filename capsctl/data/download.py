@@ -30,7 +30,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Remote:
-    """A file that can be downloaded: mirror URLs (tried in order), its name and md5."""
+    """A file that can be downloaded: mirror URLs (tried in order), its name and md5 (``""``:
+    not pinned; the caller checks the file's contents instead)."""
 
     urls: tuple[str, ...]
     filename: str
@@ -120,7 +121,7 @@ def _fetch(url: str, dest: Path, expected_md5: str, on_event: EventFn) -> None:
             reason = getattr(e, "reason", None) or e
             raise _DownloadFailed(f"{url}: {reason}") from None
         got = h.hexdigest()
-        if got != expected_md5:
+        if expected_md5 and got != expected_md5:
             raise _DownloadFailed(f"{url}: md5 mismatch (got {got}, expected {expected_md5})")
         os.replace(tmp, dest)
     finally:
@@ -163,7 +164,7 @@ def download_file(
     """
     dest_dir = Path(dest_dir)
     dest = dest_dir / remote.filename
-    if dest.is_file() and md5_of(dest) == remote.md5:
+    if dest.is_file() and (not remote.md5 or md5_of(dest) == remote.md5):
         return dest
     where = ", ".join(str(p) for p in looked_in) or str(dest_dir)
     created = _missing_folders(dest_dir)
