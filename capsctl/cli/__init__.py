@@ -24,6 +24,7 @@ from capsctl.cli import artifacts  # noqa: F401
 from capsctl.cli import measure  # noqa: F401
 from capsctl.cli import catalog  # noqa: F401
 from capsctl.cli import suite  # noqa: F401
+from capsctl.cli import robustness  # noqa: F401
 
 # isort: on
 from capsctl.cli.app import app, main

@@ -1,0 +1,85 @@
+"""Pictures of robustness results: accuracy against eps, accuracy against shift magnitude.
+
+matplotlib (the ``plot`` extra) is imported only when a picture is drawn. Files are checked
+before anything is drawn (an existing file needs ``overwrite``) and written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+from capsctl.atomic import check_output, write_atomic
+from capsctl.errors import CapsctlError
+from capsctl.robustness.api import RobustnessResult
+
+__all__ = ["plot_files", "plot_robustness"]
+
+PLOT_MISSING = "robustness plots need matplotlib: pip install 'capsctl[plot]'"
+
+
+def plot_files(results: Sequence[RobustnessResult], folder: Path) -> dict[str, Path]:
+    """The pictures the results call for: ``accuracy-vs-eps.png`` when attacks ran and
+    ``accuracy-vs-<shift>.png`` for each shift that ran."""
+    files: dict[str, Path] = {}
+    if any(r.attacks for r in results):
+        files["eps"] = folder / "accuracy-vs-eps.png"
+    for kind in sorted({p.shift for r in results for p in r.shifts}):
+        files[kind] = folder / f"accuracy-vs-{kind}.png"
+    return files
+
+
+def _label(result: RobustnessResult, many: bool) -> str:
+    return Path(result.checkpoint).parent.name + "/" + Path(result.checkpoint).name if many else ""
+
+
+def _draw(results: Sequence[RobustnessResult], key: str) -> bytes:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CapsctlError(PLOT_MISSING) from None
+    fig = Figure(figsize=(6.4, 4.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    many = len(results) > 1
+    for r in results:
+        name = _label(r, many)
+        if key == "eps":
+            for attack in sorted({p.attack for p in r.attacks}):
+                pts = [p for p in r.attacks if p.attack == attack]
+                start = [] if any(p.eps == 0 for p in pts) else [(0.0, r.clean_accuracy)]
+                xy = start + [(p.eps * 255, p.accuracy) for p in pts]
+                xs, ys = [x for x, _ in xy], [100 * y for _, y in xy]
+                ax.plot(xs, ys, marker="o", label=f"{name} {attack}".strip())
+        else:
+            pts = [p for p in r.shifts if p.shift == key]
+            ax.plot([p.magnitude for p in pts], [100 * p.accuracy for p in pts], marker="o",
+                    label=name or key)  # fmt: skip
+    unit = {"eps": "eps (x 1/255)", "rotate": "rotation (degrees)", "translate": "pixels"}
+    ax.set_xlabel(unit.get(key, "share of affNIST's ranges"))
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("accuracy against " + ("eps" if key == "eps" else key))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def plot_robustness(
+    results: Sequence[RobustnessResult], folder: str | Path, *, overwrite: bool = False
+) -> list[Path]:
+    """Write the pictures of :func:`plot_files` into ``folder`` (created if missing)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise CapsctlError(f"--png {folder}: not a folder; give a folder for the pictures")
+    files = plot_files(results, folder)
+    inputs = [r.checkpoint for r in results]
+    for path in files.values():
+        check_output(path, inputs=inputs, overwrite=overwrite)
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, path in files.items():
+        write_atomic(path, _draw(results, key), overwrite=overwrite)
+    return list(files.values())

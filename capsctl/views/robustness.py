@@ -1,0 +1,106 @@
+"""``capsctl robustness``: a table per checkpoint, side-by-side tables for several, CSV rows."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from typing import Any
+
+from capsctl.views.common import fmt_pct, note, out, table
+
+__all__ = ["print_robustness", "robustness_csv"]
+
+CSV_COLUMNS = ["checkpoint", "test", "setting", "magnitude", "accuracy", "success_rate"]
+
+
+def _rows(r: Any) -> list[tuple[str, str, str, float | None, float, float | None]]:
+    """(test, setting, magnitude label, magnitude, accuracy, success rate) of one result."""
+    rows: list[tuple[str, str, str, float | None, float, float | None]] = [
+        ("clean", "-", "-", None, r.clean_accuracy, None)
+    ]
+    for p in r.attacks:
+        kind = "targeted" if p.targeted else "untargeted"
+        rows.append((p.attack, kind, f"eps {p.eps * 255:g}/255", p.eps, p.accuracy, p.success_rate))
+    for p in r.shifts:
+        rows.append((p.shift, "-", f"{p.magnitude:g}", p.magnitude, p.accuracy, None))
+    for c in r.corruptions:
+        for sev, acc in enumerate(c.accuracies, 1):
+            rows.append(("corruption", c.name, f"severity {sev}", float(sev), acc, None))
+    return rows
+
+
+def _footer(results: Sequence[Any]) -> None:
+    r = results[0]
+    if any(x.attacks for x in results):
+        note(
+            f"attacks: white-box L-inf on [0, 1] pixels with each model's own loss; PGD: "
+            f"random start, {r.steps} steps of 2.5 * eps / steps (Madry et al.); success rate "
+            "over the images correct before the attack"
+        )
+    if any(x.flip for x in results):
+        note("flip: outputs averaged with the mirror image's, attacked and scored alike")
+    if any(x.corruptions for x in results):
+        note(
+            "corruptions: CIFAR-10-C's constants; * = documented substitute (frost*: generated "
+            "frost texture; motion_blur*, snow*: line-kernel motion blur instead of ImageMagick)"
+        )
+
+
+def _single(r: Any) -> None:
+    rows = [
+        [test, setting, mag, fmt_pct(acc), fmt_pct(rate)]
+        for test, setting, mag, _, acc, rate in _rows(r)
+        if test != "corruption"
+    ]
+    title = f"{r.checkpoint}: {r.model} on {r.count:,} {r.dataset} test images (loss {r.loss_name})"
+    out.print(table(title, ["test", "setting", "magnitude", "accuracy", "success"], rows, (3, 4)))
+    if r.corruptions:
+        crow = [[c.name, *map(fmt_pct, c.accuracies), fmt_pct(c.mean)] for c in r.corruptions]
+        crow.append(["mean", "", "", "", "", "", fmt_pct(r.mean_corruption_accuracy)])
+        heads = ["corruption", "s1", "s2", "s3", "s4", "s5", "mean"]
+        out.print(table("corruption accuracy", heads, crow, range(1, 7)))
+
+
+def _side_by_side(results: Sequence[Any]) -> None:
+    keys: list[tuple[str, str, str]] = []
+    cells: list[dict[tuple[str, str, str], str]] = []
+    for r in results:
+        mine = {}
+        for test, setting, mag, _, acc, rate in _rows(r):
+            key = (test, setting, mag)
+            if key not in keys:
+                keys.append(key)
+            mine[key] = fmt_pct(acc) + ("" if rate is None else f" ({fmt_pct(rate)})")
+        if r.corruptions:
+            key = ("corruption", "mean", "-")
+            keys.append(key) if key not in keys else None
+            mine[key] = fmt_pct(r.mean_corruption_accuracy)
+        cells.append(mine)
+    heads = ["test", "setting", "magnitude", *(r.checkpoint for r in results)]
+    rows = [[*k, *(c.get(k, "-") for c in cells)] for k in keys]
+    right = range(3, 3 + len(results))
+    out.print(table("accuracy (attack success rate)", heads, rows, right, key=3))
+
+
+def print_robustness(results: Sequence[Any]) -> None:
+    """One table per checkpoint, or one side-by-side table for several; then the footnotes."""
+    if len(results) == 1:
+        _single(results[0])
+    else:
+        _side_by_side(results)
+    _footer(results)
+
+
+def robustness_csv(results: Sequence[Any]) -> str:
+    """CSV with :data:`CSV_COLUMNS`, one row per checkpoint and setting."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for r in results:
+        for test, setting, _, mag, acc, rate in _rows(r):
+            writer.writerow(
+                [r.checkpoint, test, setting, "" if mag is None else f"{mag:g}", f"{acc:.6f}",
+                 "" if rate is None else f"{rate:.6f}"]
+            )  # fmt: skip
+    return buf.getvalue()

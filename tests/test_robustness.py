@@ -1,0 +1,215 @@
+"""capsctl robustness: FGSM/PGD on [0, 1] pixels with each model's own loss, clean accuracy at
+eps 0 and at an identity shift, the CLI's outputs and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from capsctl.cli import main
+from capsctl.robustness import robustness_checkpoint, robustness_summary
+from capsctl.robustness.api import _load
+from capsctl.robustness.attacks import fgsm, loss_gradient, pgd
+
+EPS = 8 / 255
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 26 * 26, 10)
+    ).eval()
+
+
+def _images(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(n, 1, 28, 28, generator=gen)
+    x[:, :, :4] = 0.0  # pixels at the edges of [0, 1], where clipping matters
+    x[:, :, -4:] = 1.0
+    return x, torch.randint(0, 10, (n,), generator=gen)
+
+
+def _write_router_checkpoint(
+    path: Path, router: dict, dataset: str = "fashion-mnist-quickstart", size: int = 28
+) -> Path:
+    """A tiny untrained capsule net with ``router`` (default: the embedded Fashion-MNIST
+    subset's 28x28 images)."""
+    from capsctl.checkpoint import model_tensors, save_checkpoint
+    from capsctl.config import Preset, preset_to_dict, resolve_config
+    from capsctl.models import build_model_from_config
+
+    cfg = resolve_config(
+        {"base": "mnist-caps", "primary_types": 4, "primary_dim": 16, "layers": [],
+         "router": router, "input_size": size}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model_from_config(cfg)
+    preset = Preset(name="tiny", model=cfg)
+    preset.data.dataset = dataset
+    preset.data.normalization = "fashion-mnist" if dataset.startswith("fashion") else "mnist"
+    preset.data.val_size = 200
+    save_checkpoint(path, model_tensors(model), {"preset": preset_to_dict(preset), "epoch": 1})
+    return path
+
+
+def test_attacks_stay_in_the_eps_ball_and_in_unit_range() -> None:
+    model, (x, y) = _cnn(), _images()
+    for adv in (
+        fgsm(model, x, y, EPS, F.cross_entropy),
+        fgsm(model, x, y, EPS, F.cross_entropy, targeted=True),
+        pgd(model, x, y, EPS, F.cross_entropy, steps=5, generator=torch.Generator()),
+    ):
+        assert float((adv - x).abs().max()) <= EPS + 1e-6
+        assert float(adv.min()) >= 0.0 and float(adv.max()) <= 1.0
+        assert float((adv - x).abs().max()) > EPS / 2  # it did move
+
+
+def test_fgsm_agrees_with_foolbox() -> None:
+    """Foolbox's L-inf fast gradient attack (FGSM, cross-entropy, no random start) on the same
+    CNN gives the same adversarial images."""
+    fb = pytest.importorskip("foolbox", reason="foolbox (the robustness extra) is not installed")
+    model, (x, y) = _cnn(), _images()
+    attack = fb.attacks.LinfFastGradientAttack(random_start=False)
+    _, theirs, _ = attack(fb.PyTorchModel(model, bounds=(0, 1)), x, y, epsilons=EPS)
+    ours = fgsm(model, x, y, EPS, F.cross_entropy)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+def _margin_loss_by_hand(v: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Sabour et al. 2017, eq. 4: m+ = 0.9, m- = 0.1, lambda = 0.5; summed over classes."""
+    t = F.one_hot(y, v.shape[1]).float()
+    per = t * torch.clamp(0.9 - v, min=0) ** 2 + 0.5 * (1 - t) * torch.clamp(v - 0.1, min=0) ** 2
+    return per.sum(1).mean()
+
+
+def _spread_loss_by_hand(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Hinton et al. 2018, §3.1, at the final margin m = 0.9: sum over i != t of
+    max(0, m - (a_t - a_i))^2."""
+    a_t = a.gather(1, y[:, None])  # [b, 1]
+    per = torch.clamp(0.9 - (a_t - a), min=0) ** 2  # [b, C]
+    per = per * (1 - F.one_hot(y, a.shape[1]).float())
+    return per.sum(1).mean()
+
+
+@pytest.mark.parametrize(
+    ("router", "by_hand"),
+    [
+        ({"name": "dynamic", "iterations": 2}, _margin_loss_by_hand),
+        ({"name": "em", "iterations": 2}, _spread_loss_by_hand),
+    ],
+)
+def test_the_attack_uses_the_models_own_loss(
+    tmp_path: Path, router: dict, by_hand: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> None:
+    setup = _load(_write_router_checkpoint(tmp_path / "m.safetensors", router), None, "cpu", 4, 4)
+    x = setup.test.images.float() / 255
+    y = setup.test.labels
+    used = loss_gradient(setup.model, x, y, setup.loss_fn)
+    xr = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(by_hand(setup.model(xr), y), xr)
+    assert float(expected.abs().max()) > 0
+    torch.testing.assert_close(used, expected, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(
+        fgsm(setup.model, x, y, EPS, setup.loss_fn), (x + EPS * expected.sign()).clamp(0, 1)
+    )
+
+
+def test_eps_zero_gives_the_clean_accuracy_exactly(tiny_checkpoint: Callable[..., Path]) -> None:
+    from capsctl.evaluation import evaluate
+
+    path = tiny_checkpoint()
+    res = robustness_checkpoint(
+        path, eps=(0.0, EPS), steps=3, limit=40, batch_size=16, device="cpu"
+    )
+    at_zero = [p for p in res.attacks if p.eps == 0]
+    assert [p.attack for p in at_zero] == ["fgsm", "pgd"]
+    assert all(p.accuracy == res.clean_accuracy for p in at_zero)
+    assert all(p.success_rate == 0.0 for p in at_zero)
+    setup = _load(path, None, "cpu", 40, 16)
+    plain = evaluate(
+        setup.model.model, setup.test, batch_size=16, device=torch.device("cpu"),
+        mean=[0.286], std=[0.353], classes=setup.test.classes,
+    )  # fmt: skip
+    assert res.clean_accuracy == pytest.approx(plain.accuracy, abs=1 / 40 + 1e-9)
+
+
+def test_an_identity_shift_gives_the_clean_accuracy(tiny_checkpoint: Callable[..., Path]) -> None:
+    path = tiny_checkpoint()
+    for kind in ("rotate", "translate"):
+        res = robustness_checkpoint(
+            path, attacks=(), shift=kind, magnitudes=(0.0, 30.0), limit=24, device="cpu"
+        )
+        assert res.shifts[0].accuracy == res.clean_accuracy
+
+
+def test_affine_needs_a_40x40_expanded_mnist_model(tiny_checkpoint: Callable[..., Path]) -> None:
+    from capsctl.errors import UsageError
+
+    with pytest.raises(UsageError, match="expanded-mnist"):
+        robustness_checkpoint(tiny_checkpoint(), attacks=(), shift="affine", limit=4)
+
+
+def test_affine_set_on_an_expanded_mnist_checkpoint(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sabour et al.'s protocol: a 40x40 expanded-MNIST model tested on affNIST-style digits."""
+    ckpt = _write_router_checkpoint(
+        tmp_path / "e.safetensors", {"name": "idpa", "iterations": 1}, "expanded-mnist", 40
+    )
+    main(["robustness", str(ckpt), "--shift", "affine", "--limit", "8", "--device", "cpu",
+          "--json"])  # fmt: skip
+    res = json.loads(capsys.readouterr().out)["results"][0]
+    assert res["attacks"] == [] and res["dataset"] == "expanded-mnist"
+    assert [p["magnitude"] for p in res["shifts"]] == [0.0, 1.0]
+    assert all(p["count"] == 8 for p in res["shifts"])
+
+
+def test_cli_json_pictures_and_no_overwrite(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    ckpt, pics = str(tiny_checkpoint()), tmp_path / "pics"
+    args = ["robustness", ckpt, ckpt, "--attack", "fgsm", "--eps", "0,8/255", "--limit", "8",
+            "--device", "cpu", "--png", str(pics)]  # fmt: skip
+    main([*args, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["results"]) == 2 and doc["results"][0]["attacks"][1]["eps"] == EPS
+    assert (pics / "accuracy-vs-eps.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "already exists" in err and "--overwrite" in err
+    main([*args, "--csv", "--overwrite"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("checkpoint,test,setting") and len(lines) == 1 + 2 * 3
+
+
+def test_cli_one_line_error_when_the_test_data_cannot_be_loaded(
+    tiny_checkpoint: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("CAPSCTL_DATA", str(empty))
+    ckpt = tiny_checkpoint(dataset="mnist")
+    with pytest.raises(SystemExit) as e:
+        main(["robustness", str(ckpt), "--limit", "4", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert str(ckpt) in err and "cannot load its test data" in err and str(empty) in err
+
+
+def test_robustness_summary(tiny_checkpoint: Callable[..., Path]) -> None:
+    doc = robustness_summary(tiny_checkpoint(), limit=8, corruption_limit=2, steps=2, device="cpu")
+    assert set(doc) >= {"fgsm_8_255_accuracy", "pgd_8_255_accuracy", "mean_corruption_accuracy"}
+    assert 0 <= doc["pgd_8_255_accuracy"] <= doc["clean_accuracy"] + 1e-9
+    assert 0 <= doc["mean_corruption_accuracy"] <= 1
