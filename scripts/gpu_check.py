@@ -36,9 +36,9 @@ short_omp_spin()  # before torch is imported, as the capsctl command does
 
 import torch  # noqa: E402
 
-import capsctl.layers.chunks as chunks  # noqa: E402
 from capsctl.bench import BenchRow, add_ratios, run_bench  # noqa: E402
 from capsctl.data.synthetic import write_random_cifar10  # noqa: E402
+from capsctl.layers import chunks  # noqa: E402
 from capsctl.memory import keep_freed_memory  # noqa: E402
 from capsctl.training import train_from_preset  # noqa: E402
 

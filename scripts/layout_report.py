@@ -71,7 +71,10 @@ def imports(mod: str, path: Path, tree: ast.Module, known: set[str]) -> set[str]
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            # ``from package import module`` imports the module, not the package's names
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]

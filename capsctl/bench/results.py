@@ -78,7 +78,7 @@ def rows_to_json(rows: Sequence[BenchRow], meta: Mapping[str, Any] | None = None
     """
     import torch
 
-    from capsctl.layers.native import native_summary
+    from capsctl.layers import native_summary
 
     meta = dict(meta or {})
     first = rows[0] if rows else None

@@ -45,7 +45,7 @@ def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: boo
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from capsctl.layers.flops import routing_flop_tally
+    from capsctl.layers import routing_flop_tally
 
     shape = [int(v) for v in input_shape]
     if len(shape) != 3 or min(shape) < 1:

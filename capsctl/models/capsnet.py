@@ -9,10 +9,15 @@ from typing import Any
 from torch import Tensor, nn
 
 from capsctl.errors import ConfigError
-from capsctl.layers.algorithm import Capsules, LayerPlan, NetworkPlan, RoutingTrace
-from capsctl.layers.layout import images_channels_last
-from capsctl.layers.poses import pose_shape
-from capsctl.layers.routers.idpa import PerClassHead
+from capsctl.layers import (
+    Capsules,
+    LayerPlan,
+    NetworkPlan,
+    PerClassHead,
+    RoutingTrace,
+    images_channels_last,
+    pose_shape,
+)
 from capsctl.models.backbones import BACKBONE_CHANNELS, backbone_grid, build_backbone
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 

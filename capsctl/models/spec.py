@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from capsctl.layers.poses import PoseKind
+from capsctl.layers import PoseKind
 
 Arch = Literal["capsnet", "cnn", "resnet18"]
 Backbone = Literal["simple", "resnet", "fast"]
@@ -82,7 +82,7 @@ class ModelConfig:
     head: Literal["shared", "per_class"] = "shared"
 
     def __post_init__(self) -> None:
-        from capsctl.layers.routers import ROUTERS
+        from capsctl.layers import ROUTERS
 
         cls = ROUTERS.get(str(self.router.get("name")))
         if cls is not None:  # defaults filled in; unknown names are reported by validation
@@ -99,8 +99,8 @@ class ModelConfig:
         return str(self.router.get("schedule", "sequential"))
 
     def algorithm(self) -> Any:
-        """The :class:`~capsctl.layers.algorithm.RoutingAlgorithm` of ``router``."""
-        from capsctl.layers.routers import make_router
+        """The :class:`~capsctl.layers.RoutingAlgorithm` of ``router``."""
+        from capsctl.layers import make_router
 
         return make_router(self.router)
 

@@ -13,7 +13,7 @@ __all__ = ["footer_line", "footer_lines", "print_bench", "print_compare"]
 def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
     import torch
 
-    from capsctl.layers.native import native_summary
+    from capsctl.layers import native_summary
 
     ref = any(r.name == "resnet18" for r in rows)
     cols = ["model", "params", "T", "routing", "train step", "min", "infer img/s", "peak mem"]
