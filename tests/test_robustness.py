@@ -120,6 +120,29 @@ def test_the_attack_uses_the_models_own_loss(
     )
 
 
+@pytest.mark.parametrize(
+    "model",
+    [{"router": {"name": "self"}}, {"arch": "cnn"}, {"arch": "resnet18", "in_channels": 1}],
+    ids=["self-routing", "cnn", "resnet18"],
+)
+def test_every_router_and_baseline_can_be_attacked(tmp_path: Path, model: dict) -> None:
+    from capsctl.checkpoint import model_tensors, save_checkpoint
+    from capsctl.config import Preset, preset_to_dict, resolve_config
+    from capsctl.models import build_model_from_config
+
+    base = {"base": "mnist-caps", "primary_types": 4, "primary_dim": 16, "layers": []}
+    cfg = resolve_config({**base, **model})
+    preset = Preset(name="tiny", model=cfg)
+    preset.data.dataset, preset.data.normalization = "fashion-mnist-quickstart", "fashion-mnist"
+    path = tmp_path / "m.safetensors"
+    torch.manual_seed(0)
+    weights = model_tensors(build_model_from_config(cfg))
+    save_checkpoint(path, weights, {"preset": preset_to_dict(preset), "epoch": 1})
+    res = robustness_checkpoint(path, attacks=("fgsm",), eps=(EPS,), limit=2, device="cpu")
+    assert [p.attack for p in res.attacks] == ["fgsm"]
+    assert all(0 <= p.accuracy <= 1 for p in res.attacks) and res.loss_name == "cross_entropy"
+
+
 def test_eps_zero_gives_the_clean_accuracy_exactly(tiny_checkpoint: Callable[..., Path]) -> None:
     from capsctl.evaluation import evaluate
 
