@@ -82,6 +82,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path) -> N
     ]
     res = subprocess.run(launcher, capture_output=True, text=True, env=_env(), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "Grad strides do not match" not in res.stderr  # channels-last weights' gradients
     # one JSON document from rank 0 only
     doc = json.loads(res.stdout)
     assert doc["epochs_done"] == 2
@@ -120,3 +121,24 @@ def test_nproc_relaunches_the_same_command_under_torchrun(monkeypatch: pytest.Mo
             "1",
         ]
     ]
+
+
+def test_one_by_one_kernels_take_the_strides_of_their_gradients() -> None:
+    """DDP compares a gradient's strides with its bucket view's literally: a channels-last 1x1
+    kernel kept standard strides while its gradient came back channels-last, and every step of
+    `train --nproc 2` warned "Grad strides do not match bucket view strides"."""
+    import torch
+    from torch import nn
+
+    from capsctl.training.distributed import _standard_strides
+
+    model = nn.Sequential(nn.Conv2d(8, 6, 3), nn.Conv2d(6, 4, 1)).to(
+        memory_format=torch.channels_last
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    _standard_strides(model)
+    x = torch.randn(2, 8, 7, 7).contiguous(memory_format=torch.channels_last)
+    model(x).sum().backward()
+    for p, old in zip(model.parameters(), before, strict=True):
+        assert p.grad is not None and p.grad.stride() == p.stride()
+        assert torch.equal(p.detach(), old)  # the values are untouched

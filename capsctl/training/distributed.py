@@ -54,6 +54,7 @@ class Distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.local_rank] if self.device.type == "cuda" else None
+        _standard_strides(model)
         return DistributedDataParallel(model, device_ids=ids)
 
     def any_flags(self, *flags: bool) -> tuple[bool, ...]:
@@ -92,3 +93,19 @@ class Distributed:
             import torch.distributed as tdist
 
             tdist.destroy_process_group()
+
+
+def _standard_strides(model: nn.Module) -> None:
+    """Give a 1x1 kernel (``[o, i, 1, 1]``) the channels-last strides its gradient has. Such a
+    kernel is contiguous in both formats, so it keeps the standard strides ``[i, 1, 1, 1]``
+    when the model goes channels-last, but the convolution's backward pass on channels-last
+    features returns its gradient with ``[i, 1, i, i]``; DDP compares strides literally and
+    warned "Grad strides do not match bucket view strides" at every step. Only the strides of
+    size-1 dimensions change, never the memory order."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1):
+                w = module.weight
+                if w.is_contiguous(memory_format=torch.channels_last):
+                    relaid = torch.empty_like(w, memory_format=torch.channels_last)
+                    module.weight.data = relaid.copy_(w)
