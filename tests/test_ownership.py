@@ -197,3 +197,20 @@ def test_zero_and_tiny_time_limits(tmp_path: Path) -> None:
 
 def test_folder_busy_is_a_capsctl_error() -> None:
     assert issubclass(FolderBusy, CapsctlError)
+
+
+def test_an_unwritable_run_folder_is_one_line_before_any_data_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import capsctl.training.setup as setup
+
+    def no_data(*a: object, **k: object) -> None:
+        raise AssertionError("the data was loaded before the folder was checked")
+
+    monkeypatch.setattr(setup, "prepare_data", no_data)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be made below a file (root ignores permissions)
+    with pytest.raises(CapsctlError) as info:
+        fit(tiny_preset(epochs=1), blocker / "run")
+    msg = str(info.value)
+    assert str(blocker / "run") in msg and "choose a writable --out" in msg
