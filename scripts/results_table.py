@@ -75,14 +75,20 @@ def table(path: Path) -> str:
             "-" if first["gflops"] is None else f"{first['gflops']:.3f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    machines = sorted({(r["cpu"], r["cores"], r["torch"], r["commit"]) for r in rows}, key=str)
-    for cpu, cores, torch, commit in machines:
-        lines.append("")
-        lines.append(
-            f"Measured on {cpu or 'an unrecorded CPU'} ({cores or '?'} cores), torch "
-            f"{torch or '?'}, capsctl commit {commit or 'not recorded'}; "
-            f"`capsctl/results/{path.name}`."
-        )
+    done = [r for r in rows if r["seeds_run"]]
+    machines = sorted({(r["cpu"], r["cores"], r["torch"]) for r in done}, key=str)
+    commits: dict[str, list[str]] = defaultdict(list)
+    for r in done:
+        for c in str(r["commit"] or "not recorded").split(" + "):
+            if r["member"] not in commits[c[:9]]:
+                commits[c[:9]].append(r["member"])
+    if machines:
+        where = "; ".join(f"{cpu} ({cores} cores), torch {torch}" for cpu, cores, torch in machines)
+        which = ", ".join(f"{c} ({', '.join(m)})" for c, m in commits.items())
+        lines += [
+            "",
+            f"Trained on {where}; capsctl commits {which}; `capsctl/results/{path.name}`.",
+        ]
     return "\n".join(lines) + "\n"
 
 
