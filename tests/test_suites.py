@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
-from capsctl.cli import main
 from capsctl.errors import CapsctlError, ConfigError
 from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
 from capsctl.suites.report import RESULT_COLUMNS, aggregate, read_results, write_results
@@ -55,16 +55,6 @@ def tiny_suite(folder: Path, steps: int = 6) -> Path:
     path = folder / "tiny.yaml"
     path.write_text(text)
     return path
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- the file format ---------------------------------------------------------------------------
@@ -302,3 +292,41 @@ def test_a_folder_of_another_preset_is_refused(
     )
     assert code == 1
     assert str(folder) in err and "another preset" in err and "choose another --out" in err
+
+
+def test_report_adds_robustness_measured_once_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import capsctl.robustness as robustness
+    from capsctl.suites.robust import RobustSettings
+
+    suite_file = tmp_path / "s.yaml"
+    suite_file.write_text(
+        "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n  - name: caps\n"
+    )
+    runs = tmp_path / "runs"
+    _fake_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)})
+    _fake_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})
+    calls: list[tuple[str, int | None]] = []
+    values = {"seed-0": (0.30, 0.10, 0.60), "seed-1": (0.40, 0.20, 0.70)}
+
+    def summary(path: Path, *, limit: int | None, **kw: object) -> dict[str, object]:
+        calls.append((Path(path).parent.name, limit))
+        fgsm, pgd, corr = values[Path(path).parent.name]
+        return {"count": limit, "fgsm_8_255_accuracy": fgsm, "pgd_8_255_accuracy": pgd,
+                "mean_corruption_accuracy": corr}  # fmt: skip
+
+    monkeypatch.setattr(robustness, "robustness_summary", summary)
+    suite = load_suite(suite_file)
+    settings = RobustSettings(limit=50, corruption_limit=50)
+    row = report_suite(suite, runs, score=False, robustness=settings).rows[0]
+    assert row.robustness is not None
+    assert row.robustness["fgsm_8_255_accuracy"].mean == pytest.approx(0.35)
+    assert row.robustness["pgd_8_255_accuracy"].std == pytest.approx(math.sqrt(0.005))
+    assert row.robustness["mean_corruption_accuracy"].mean == pytest.approx(0.65)
+    assert sorted(calls) == [("seed-0", 50), ("seed-1", 50)]
+    report_suite(suite, runs, score=False, robustness=settings)
+    assert len(calls) == 2  # cached in each run's robustness.json
+    report_suite(suite, runs, score=False, robustness=RobustSettings(limit=20))
+    assert len(calls) == 4  # other settings are measured anew
+    assert report_suite(suite, runs, score=False).rows[0].robustness is None

@@ -145,6 +145,17 @@ def report_cmd(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace existing --results and --png files.")
     ] = False,
+    robustness: Annotated[
+        bool,
+        typer.Option(
+            "--robustness",
+            help="Add FGSM and PGD-10 accuracy at 8/255 and the mean CIFAR-10-C corruption "
+            "accuracy (measured once per run, cached in its folder).",
+        ),
+    ] = False,
+    robustness_limit: Annotated[
+        int, typer.Option("--robustness-limit", help="Test images attacked and corrupted.")
+    ] = 1000,
     json_out: JsonOpt = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the results CSV.")] = False,
 ) -> None:
@@ -167,9 +178,21 @@ def report_cmd(
             )
         suite = str(folder / SUITE_COPY)
     spec = load_suite(suite)
+    settings = None
+    if robustness:
+        from capsctl.suites.robust import RobustSettings
+
+        if robustness_limit < 1:
+            raise UsageError(f"--robustness-limit {robustness_limit}: must be at least 1")
+        settings = RobustSettings(limit=robustness_limit, corruption_limit=robustness_limit)
     with simple_progress("scoring", quiet=json_out or csv_out) as on_event:
         report = report_suite(
-            spec, folder, score=not no_score, data_dir=data_dir, on_event=on_event
+            spec,
+            folder,
+            score=not no_score,
+            data_dir=data_dir,
+            on_event=on_event,
+            robustness=settings,
         )
     if results is not None:
         write_results(report, results, overwrite=overwrite)

@@ -125,10 +125,16 @@ class MemberRow:
     published: dict[str, str] | None = None
     note: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
+    robustness: dict[str, TestStat] | None = None  # summary key -> over seeds
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tests"] = {k: v.to_dict() for k, v in self.tests.items()}
+        d["robustness"] = (
+            None
+            if self.robustness is None
+            else {k: v.to_dict() for k, v in self.robustness.items()}
+        )
         return d
 
 
@@ -206,9 +212,13 @@ def report_suite(
     score: bool = True,
     data_dir: str | None = None,
     on_event: Any = None,
+    robustness: Any = None,
 ) -> SuiteReport:
     """Aggregate the finished runs under ``out`` (``score``: first score the test files a
-    finished run lacks, as ``capsctl suite run`` does after each run)."""
+    finished run lacks, as ``capsctl suite run`` does after each run; ``robustness``: a
+    :class:`~capsctl.suites.robust.RobustSettings` adds FGSM, PGD and corruption columns,
+    measured once per run and cached in its folder)."""
+    from capsctl.suites.robust import ROBUST_METRICS, run_robustness
     from capsctl.suites.runner import score_run
 
     tests = list(suite.tests) or ["test"]
@@ -216,6 +226,7 @@ def report_suite(
     for member in suite.members:
         runs, done = [], []
         walls, epochs, speeds, machines = [], [], [], []
+        robust: dict[str, TestStat] = {k: TestStat(k, []) for k in ROBUST_METRICS}
         for seed in suite.seeds_of(member):
             folder = out / member.name / f"seed-{seed}"
             res = _read_json(folder / "results.json")
@@ -236,6 +247,12 @@ def report_suite(
                 speeds.append(statistics.fmean(hist))
             trained = _read_json(folder / "provenance.json").get("trained_by") or []
             machines += trained
+            if robustness is not None:
+                summary = run_robustness(folder, robustness, data_dir=data_dir, on_event=on_event)
+                for key, stat in robust.items():
+                    if summary.get(key) is not None:
+                        stat.values.append(float(summary[key]))
+                        stat.images = summary.get("count")
         name, params, gflops = _static(suite, member, out / member.name)
         published = None
         if member.published is not None:
@@ -256,6 +273,7 @@ def report_suite(
                 published=published,
                 note=member.note,
                 machine=_machine(machines),
+                robustness=robust if robustness is not None else None,
             )
         )
     return SuiteReport(suite.name, str(out), tests, rows, suite.description)

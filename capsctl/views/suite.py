@@ -72,6 +72,11 @@ def print_suite_report(doc: dict[str, Any]) -> None:
     cols = ["member"]
     cols += [f"top-1 % {test} mean ± std (se)" for test in doc["tests"]]
     cols += ["seeds", "params", "GFLOPs", "epochs", "wall s", "img/s", "published"]
+    robust = next((r["robustness"] for r in doc["rows"] if r.get("robustness")), None)
+    if robust:
+        from capsctl.suites.robust import ROBUST_METRICS
+
+        cols += [f"{ROBUST_METRICS[k]} %" for k in robust]
     body, notes = [], []
     for r in doc["rows"]:
         cells = [r["member"]]
@@ -88,6 +93,8 @@ def print_suite_report(doc: dict[str, Any]) -> None:
         cells.append(f"{speed:.0f}" if speed is not None else "-")
         pub = r.get("published")
         cells.append(_published(pub["top1"]) + "*" if pub else "-")
+        for key in robust or {}:
+            cells.append(_acc_cell((r.get("robustness") or {}).get(key) or {"top1_mean": None}))
         body.append(cells)
         if r.get("budget") == "matched":
             notes.append(f"{r['member']}: stopped at the other members' median wall time")
@@ -103,6 +110,15 @@ def print_suite_report(doc: dict[str, Any]) -> None:
             err.print(Text(f"{test}: {n:,} test images"))
     for line in notes:
         err.print(Text(line))
+    if robust:
+        n = next((v["images"] for v in robust.values() if v.get("images")), None)
+        err.print(
+            Text(
+                f"robustness: untargeted white-box attacks with each model's own loss on "
+                f"{n or '?'} test images (PGD: 10 steps of 2.5 eps / 10, random start); "
+                "corruptions: mean over CIFAR-10-C's 15 corruptions x 5 severities"
+            )
+        )
     err.print(
         Text(
             "std: over seeds (ddof 1); se: its standard error; one run's sampling error from "
