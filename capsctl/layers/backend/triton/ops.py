@@ -1,0 +1,229 @@
+"""The Triton passes as ``torch.library`` custom ops (namespace ``capsctl``).
+
+Each op has a fake (meta) implementation and its backward registered with
+``register_autograd``, so ``torch.compile`` keeps the fused pass as one node instead of
+tracing into it. The ops take CPU tensors under ``TRITON_INTERPRET=1`` (Triton's interpreter;
+the tests) and CUDA tensors on a GPU.
+
+- ``capsctl::triton_routed(x, w, p, scale) -> (s, r)``: the IDPA routed pass of
+  capsctl/layers/passes/routed.py (``r`` not differentiable);
+- ``capsctl::triton_weighted(x, w, r) -> s``: the weighted pass of
+  capsctl/layers/passes/weighted.py, differentiable in ``x``, ``w`` and ``r``.
+
+Shapes: ``x[J, B, a, x]``, ``w[J, x, m, c]``, ``p[B, m, a, c]``, ``r[J, B, m]``,
+``s[B, m, a, c]``. Outputs have the dtype of ``x``; sums run in float32 (float64 for float64
+inputs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import triton
+from torch import Tensor
+
+from capsctl.layers.backend.triton import kernels
+
+__all__ = ["launch_shape", "triton_routed", "triton_weighted"]
+
+# elements of a program's vote block [BJ, BM, BA, BC] the default child tile aims at
+_BLOCK_ELEMENTS = 4096
+# programs the default span of sites aims at (a few per streaming multiprocessor)
+_PROGRAMS = 4096
+
+
+def _acc(t: Tensor) -> tuple[torch.dtype, object]:
+    """The accumulation dtype of ``t``, in torch and in Triton."""
+    if t.dtype == torch.float64:
+        return torch.float64, kernels.tl.float64
+    return torch.float32, kernels.tl.float32
+
+
+def launch_shape(
+    j: int, bsz: int, m: int, a: int, c: int, block_j: int = 0, sites: int = 0
+) -> tuple[int, int, tuple[int, int]]:
+    """``(BJ, SB, grid)``: children per tile, sites per program and the grid
+    ``(child tiles, site spans)``; ``block_j``/``sites`` (> 0) fix the first two."""
+    per_child = triton.next_power_of_2(m) * triton.next_power_of_2(a) * triton.next_power_of_2(c)
+    bj = block_j or max(1, min(triton.next_power_of_2(j), _BLOCK_ELEMENTS // per_child))
+    tiles = triton.cdiv(j, bj)
+    sb = sites or max(1, triton.cdiv(bsz * tiles, _PROGRAMS))
+    return bj, sb, (tiles, triton.cdiv(bsz, sb))
+
+
+def _blocks(m: int, a: int, c: int, xd: int) -> dict[str, int]:
+    np2 = triton.next_power_of_2
+    return {"BM": np2(m), "BA": np2(a), "BC": np2(c)} | ({"BX": np2(xd)} if xd else {})
+
+
+def _forward(
+    x: Tensor, w: Tensor, p: Tensor | None, r: Tensor | None, scale: float, tiling: Sequence[int]
+) -> tuple[Tensor, Tensor]:
+    """``(s[B, m, a, c], r[J, B, m])``: routed when ``p`` is given, else weighted by ``r``."""
+    j, bsz, a, xd = x.shape
+    m, c = w.shape[2], w.shape[3]
+    dt, acc = _acc(x)
+    x, w = x.contiguous(), w.contiguous()
+    s = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], summed atomically
+    routed = p is not None
+    if routed:
+        p = p.contiguous()
+        r = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m]
+    else:
+        r = r.contiguous()
+        p = s  # not read
+    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
+    with _on(x):
+        kernels.pass_forward[grid](
+            x, w, p, r, s, j, bsz, m, a, c, sb, scale,
+            XD=xd, ROUTED=routed, ACC=acc, BJ=bj, **_blocks(m, a, c, 0),
+        )  # fmt: skip
+    return s.to(x.dtype), r
+
+
+def _backward(
+    x: Tensor,
+    w: Tensor,
+    p: Tensor | None,
+    r: Tensor,
+    gs: Tensor,
+    scale: float,
+    needs: Sequence[bool],
+    tiling: Sequence[int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(gx[J, B, a, x], gw[J, x, m, c], gp)`` with ``gp`` the gradient of ``p[B, m, a, c]``
+    (routed) or of ``r[J, B, m]`` (weighted); an unneeded gradient is an empty tensor."""
+    j, bsz, a, xd = x.shape
+    m, c = w.shape[2], w.shape[3]
+    dt, acc = _acc(x)
+    x, w, r, gs = x.contiguous(), w.contiguous(), r.contiguous(), gs.contiguous()
+    routed = p is not None
+    empty = x.new_zeros(1, dtype=dt)
+    gx = x.new_empty(j, bsz, a, xd, dtype=dt) if needs[0] else empty  # [J, B, a, x], stored
+    gw = x.new_zeros(j, xd, m, c, dtype=dt) if needs[1] else empty  # [J, x, m, c], added
+    if not needs[2]:
+        gp = empty
+    elif routed:
+        gp = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], added
+    else:
+        gp = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m], stored
+    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
+    with _on(x):
+        kernels.pass_backward[grid](
+            x, w, p.contiguous() if routed else gs, r, gs, gx, gw, gp, j, bsz, m, a, c, sb,
+            scale, XD=xd, ROUTED=routed, ACC=acc, NEED_X=bool(needs[0]),
+            NEED_W=bool(needs[1]), NEED_P=bool(needs[2]), BJ=bj, **_blocks(m, a, c, xd),
+        )  # fmt: skip
+    return tuple(
+        g.to(x.dtype) if n else x.new_empty(0) for g, n in zip((gx, gw, gp), needs, strict=True)
+    )
+
+
+def _on(t: Tensor) -> contextlib.AbstractContextManager:
+    """The CUDA device of ``t`` made current for the launch (nothing for a CPU tensor, which
+    only Triton's interpreter runs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@torch.library.custom_op("capsctl::triton_routed", mutates_args=())
+def _routed_op(
+    x: Tensor, w: Tensor, p: Tensor, scale: float, tiling: list[int]
+) -> tuple[Tensor, Tensor]:
+    return _forward(x, w, p, None, scale, tiling)
+
+
+@_routed_op.register_fake
+def _(x: Tensor, w: Tensor, p: Tensor, scale: float, tiling: list[int]) -> tuple[Tensor, Tensor]:
+    j, bsz, a, _ = x.shape
+    m, c = w.shape[2], w.shape[3]
+    return x.new_empty(bsz, m, a, c), x.new_empty(j, bsz, m, dtype=_acc(x)[0])
+
+
+@torch.library.custom_op("capsctl::triton_routed_backward", mutates_args=())
+def _routed_bwd_op(
+    x: Tensor, w: Tensor, p: Tensor, r: Tensor, gs: Tensor, scale: float,
+    needs: list[bool], tiling: list[int],
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return _backward(x, w, p, r, gs, scale, needs, tiling)
+
+
+@_routed_bwd_op.register_fake
+def _(x, w, p, r, gs, scale, needs, tiling):  # type: ignore[no-untyped-def]
+    full = (x, w, p)
+    return tuple(
+        torch.empty_like(t) if n else x.new_empty(0) for t, n in zip(full, needs, strict=True)
+    )
+
+
+def _routed_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w, p, scale, tiling = inputs
+    ctx.save_for_backward(x, w, p, output[1])
+    ctx.scale, ctx.tiling = scale, tiling
+    ctx.mark_non_differentiable(output[1])
+
+
+def _routed_grad(ctx, gs: Tensor, _gr: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[no-untyped-def]
+    x, w, p, r = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3])
+    grads = _routed_bwd_op(x, w, p, r, gs, ctx.scale, needs, ctx.tiling)
+    return (*(g if n else None for g, n in zip(grads, needs, strict=True)), None, None)
+
+
+_routed_op.register_autograd(_routed_grad, setup_context=_routed_setup)
+
+
+@torch.library.custom_op("capsctl::triton_weighted", mutates_args=())
+def _weighted_op(x: Tensor, w: Tensor, r: Tensor, tiling: list[int]) -> Tensor:
+    return _forward(x, w, None, r, 1.0, tiling)[0]
+
+
+@_weighted_op.register_fake
+def _(x: Tensor, w: Tensor, r: Tensor, tiling: list[int]) -> Tensor:
+    return x.new_empty(x.shape[1], w.shape[2], x.shape[2], w.shape[3])
+
+
+@torch.library.custom_op("capsctl::triton_weighted_backward", mutates_args=())
+def _weighted_bwd_op(
+    x: Tensor, w: Tensor, r: Tensor, gs: Tensor, needs: list[bool], tiling: list[int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(x, w, None, r, gs, 1.0, needs, tiling)
+
+
+@_weighted_bwd_op.register_fake
+def _(x, w, r, gs, needs, tiling):  # type: ignore[no-untyped-def]
+    return tuple(
+        torch.empty_like(t) if n else x.new_empty(0) for t, n in zip((x, w, r), needs, strict=True)
+    )
+
+
+def _weighted_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w, r, tiling = inputs
+    ctx.save_for_backward(x, w, r)
+    ctx.tiling = tiling
+
+
+def _weighted_grad(ctx, gs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[no-untyped-def]
+    x, w, r = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3])
+    grads = _weighted_bwd_op(x, w, r, gs, needs, ctx.tiling)
+    return (*(g if n else None for g, n in zip(grads, needs, strict=True)), None)
+
+
+_weighted_op.register_autograd(_weighted_grad, setup_context=_weighted_setup)
+
+
+def triton_routed(
+    x: Tensor, w: Tensor, p: Tensor, scale: float, block_j: int = 0, sites: int = 0
+) -> tuple[Tensor, Tensor]:
+    """The routed pass ``(S[B, m, a, c], R[J, B, m])`` of ``x[J, B, a, x]``, ``w[J, x, m, c]``
+    and ``p[B, m, a, c]`` as the op ``capsctl::triton_routed``; ``block_j``/``sites`` (> 0):
+    children per tile and sites per program (:func:`launch_shape`)."""
+    return _routed_op(x, w, p, float(scale), [block_j, sites])
+
+
+def triton_weighted(x: Tensor, w: Tensor, r: Tensor, block_j: int = 0, sites: int = 0) -> Tensor:
+    """The weighted pass ``S[B, m, a, c] = sum_J R V`` of ``x[J, B, a, x]``, ``w[J, x, m, c]``
+    and ``r[J, B, m]`` as the op ``capsctl::triton_weighted``."""
+    return _weighted_op(x, w, r, [block_j, sites])

@@ -1,0 +1,287 @@
+"""The Triton passes (capsctl/layers/backend/triton/), run on the CPU by Triton's interpreter.
+
+The routed pass of inverted dot-product attention routing (Tsai et al., ICLR 2020) and the
+weighted pass (votes summed with given coefficients, as self-routing's), forward and backward,
+against the equations written here as einsums in float64 over the full vote tensor, against
+the torch passes of capsctl/layers/passes/ (dense and chunked), and by gradcheck; in fully
+connected and convolutional site layouts (conv windows unfolded here from a child grid), with
+one parent type, one child, block edges that leave partial tiles, and matrix (4 x 4) and
+vector (1 x d) poses; then the custom ops' registration (fake, autograd, torch.compile).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: the kernels run on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton cannot import (it ships with torch's CUDA wheels)")
+
+from capsctl.layers.backend import dispatch  # noqa: E402
+from capsctl.layers.backend import triton as triton_backend  # noqa: E402
+from capsctl.layers.backend.triton.ops import triton_routed, triton_weighted  # noqa: E402
+from capsctl.layers.passes.routed import ChunkedRoutedPass, routed_pass_dense  # noqa: E402
+from capsctl.layers.passes.weighted import ChunkedWeightedPass, weighted_pass_dense  # noqa: E402
+
+F64 = torch.float64
+
+# (J children per site, B sites, a, x, m parents, c, block_j, sites per program); block_j /
+# sites 0: the default launch shape
+SHAPES = {
+    "fc-matrix-partial-tiles": (5, 3, 4, 4, 3, 4, 2, 2),
+    "fc-vector-odd-dims": (7, 2, 1, 6, 5, 3, 4, 1),
+    "one-parent": (4, 2, 4, 4, 1, 4, 0, 0),
+    "one-child": (1, 3, 4, 4, 3, 4, 0, 2),
+    "vector-default-launch": (6, 4, 1, 8, 4, 8, 0, 0),
+}
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype = F64, seed: int = 0):
+    """Child poses ``x[J, B, a, x]``, weights ``w[J, x, m, c]``, parent poses ``p[B, m, a, c]``,
+    coefficients ``r[J, B, m]`` (positive, as a routing's) and the scale ``1 / sqrt(a c)``."""
+    j, bsz, a, xd, m, c = shape[:6]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(j, bsz, a, xd, generator=g, dtype=dtype)
+    w = torch.randn(j, xd, m, c, generator=g, dtype=dtype) / math.sqrt(xd)
+    p = torch.randn(bsz, m, a, c, generator=g, dtype=dtype)
+    r = torch.rand(j, bsz, m, generator=g, dtype=dtype)
+    return x, w, p, r, 1.0 / math.sqrt(a * c)
+
+
+def votes_of(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``V_ij = X_i W_ij``, the pose on the left (a vector pose is a 1 x x matrix)."""
+    return torch.einsum("jbax,jxmc->jbamc", x, w)  # [J, B, a, m, c]
+
+
+def routed_equations(x, w, p, scale):  # type: ignore[no-untyped-def]
+    """The paper's routed pass: ``a_ij = scale <p_j, V_ij>``, ``r_ij = softmax_j a_ij`` over the
+    parents of the site, ``s_j = sum_i r_ij V_ij``."""
+    v = votes_of(x, w)  # [J, B, a, m, c]
+    agreement = torch.einsum("jbamc,bmac->jbm", v, p) * scale  # [J, B, m]
+    r = torch.softmax(agreement, dim=-1)  # [J, B, m]: each child's sum to 1 over parents
+    return torch.einsum("jbm,jbamc->bmac", r, v), r  # [B, m, a, c], [J, B, m]
+
+
+def weighted_equations(x, w, r):  # type: ignore[no-untyped-def]
+    """``s_j = sum_i r_ij V_ij`` with the coefficients given."""
+    return torch.einsum("jbm,jbamc->bmac", r, votes_of(x, w))  # [B, m, a, c]
+
+
+def _grads(out: torch.Tensor, inputs, seed: int = 1):  # type: ignore[no-untyped-def]
+    """Gradients of ``<out, G>`` for a fixed random ``G``."""
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+def _leaves(*ts: torch.Tensor):  # type: ignore[no-untyped-def]
+    return [t.clone().requires_grad_() for t in ts]
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_routed_pass_matches_the_equations_in_float64(shape: tuple[int, ...]) -> None:
+    x, w, p, _, scale = _inputs(shape)
+    copies = [t.clone() for t in (x, w, p)]
+    xs, ws, ps = _leaves(x, w, p)
+    s, r = triton_routed(xs, ws, ps, scale, block_j=shape[6], sites=shape[7])
+    xe, we, pe = _leaves(x, w, p)
+    s_ref, r_ref = routed_equations(xe, we, pe, scale)
+    assert s.dtype == F64 and s.shape == s_ref.shape and not r.requires_grad
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(r, r_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(r.sum(-1), torch.ones_like(r[..., 0]))  # softmax over parents
+    for got, want in zip(_grads(s, (xs, ws, ps)), _grads(s_ref, (xe, we, pe)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for t, before in zip((x, w, p), copies, strict=True):
+        assert torch.equal(t, before)  # no input written to
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_weighted_pass_matches_the_equations_in_float64(shape: tuple[int, ...]) -> None:
+    x, w, _, r, _ = _inputs(shape)
+    xs, ws, rs = _leaves(x, w, r)
+    s = triton_weighted(xs, ws, rs, block_j=shape[6], sites=shape[7])
+    xe, we, re = _leaves(x, w, r)
+    s_ref = weighted_equations(xe, we, re)
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-12)
+    for got, want in zip(_grads(s, (xs, ws, rs)), _grads(s_ref, (xe, we, re)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+GRADCHECK = ["fc-matrix-partial-tiles", "fc-vector-odd-dims", "one-parent"]
+
+
+@pytest.mark.parametrize("name", GRADCHECK)
+def test_routed_and_weighted_passes_pass_gradcheck(name: str) -> None:
+    shape = SHAPES[name]
+    x, w, p, r, scale = _inputs(shape, seed=2)
+    tiles = {"block_j": shape[6], "sites": shape[7]}
+    assert torch.autograd.gradcheck(
+        lambda *t: triton_routed(*t, scale, **tiles)[0], _leaves(x, w, p), fast_mode=True
+    )
+    assert torch.autograd.gradcheck(
+        lambda *t: triton_weighted(*t, **tiles), _leaves(x, w, r), fast_mode=True
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_float32_passes_match_the_torch_passes(shape: tuple[int, ...]) -> None:
+    """Float32 against capsctl/layers/passes/: the dense expressions and the chunked autograd
+    functions (torch code, tile by tile), values and every gradient."""
+    x, w, p, r, scale = _inputs(shape, dtype=torch.float32, seed=3)
+    tiles = {"block_j": shape[6], "sites": shape[7]}
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    xs, ws, ps = _leaves(x, w, p)
+    s, rt = triton_routed(xs, ws, ps, scale, **tiles)
+    assert s.dtype == torch.float32 and rt.dtype == torch.float32
+    got = _grads(s, (xs, ws, ps))
+    for torch_pass in (routed_pass_dense, lambda *t: ChunkedRoutedPass.apply(*t)):
+        xe, we, pe = _leaves(x, w, p)
+        with dispatch.use("chunked", sites=2):
+            s_ref, r_ref = torch_pass(xe, we, pe, scale)
+        torch.testing.assert_close(s, s_ref, **tol)
+        torch.testing.assert_close(rt, r_ref.detach(), **tol)
+        for g, want in zip(got, _grads(s_ref, (xe, we, pe)), strict=True):
+            torch.testing.assert_close(g, want, **tol)
+    xs, ws, rs = _leaves(x, w, r)
+    s = triton_weighted(xs, ws, rs, **tiles)
+    got = _grads(s, (xs, ws, rs))
+    for torch_pass in (weighted_pass_dense, lambda *t: ChunkedWeightedPass.apply(*t, 2)):
+        xe, we, re = _leaves(x, w, r)
+        with dispatch.use("chunked"):
+            s_ref = torch_pass(xe, we, re)
+        torch.testing.assert_close(s, s_ref, **tol)
+        for g, want in zip(got, _grads(s_ref, (xe, we, re)), strict=True):
+            torch.testing.assert_close(g, want, **tol)
+
+
+def conv_sites(u: torch.Tensor, wk: torch.Tensor, stride: int):  # type: ignore[no-untyped-def]
+    """A conv capsule layer's sites: child poses ``u[b, n, H, W, a, x]`` and weights
+    ``wk[k, l, n, x, m, c]`` (shared over positions) -> ``x[J, B, a, x]`` with ``J = (n, k, l)``
+    and ``B = (b, h, w)``, and ``w[J, x, m, c]``."""
+    b, n, _, _, a, xd = u.shape
+    k = wk.shape[0]
+    win = u.unfold(2, k, stride).unfold(3, k, stride)  # [b, n, h, w, a, x, k, l]
+    h, w_out = win.shape[2], win.shape[3]
+    win = win.permute(1, 6, 7, 0, 2, 3, 4, 5)  # [n, k, l, b, h, w, a, x]
+    x = win.reshape(n * k * k, b * h * w_out, a, xd)  # [J, B, a, x]
+    w = wk.permute(2, 0, 1, 3, 4, 5).reshape(n * k * k, xd, *wk.shape[4:])  # [J, x, m, c]
+    return x, w, (b, h, w_out)
+
+
+def conv_equations(u, wk, pg, stride, scale):  # type: ignore[no-untyped-def]
+    """The routed pass of a conv capsule layer on its grid: the parent at ``(h, w)`` takes the
+    votes of the ``k x k`` window at ``(h stride, w stride)``; softmax over the parent types
+    there. ``pg[b, h, w, m, a, c]`` -> ``s[b, h, w, m, a, c]``."""
+    k = wk.shape[0]
+    _, hh, ww = pg.shape[:3]
+    out = torch.zeros_like(pg)
+    for i in range(hh):
+        for j in range(ww):
+            win = u[:, :, i * stride : i * stride + k, j * stride : j * stride + k]
+            v = torch.einsum("bnklax,klnxmc->bnklamc", win, wk)  # [b, n, k, l, a, m, c]
+            agree = torch.einsum("bnklamc,bmac->bnklm", v, pg[:, i, j]) * scale  # [b,n,k,l,m]
+            r = torch.softmax(agree, dim=-1)  # [b, n, k, l, m]
+            out[:, i, j] = torch.einsum("bnklm,bnklamc->bmac", r, v)  # [b, m, a, c]
+    return out
+
+
+@pytest.mark.parametrize(
+    "a, xd, c, stride", [(4, 4, 4, 1), (1, 5, 3, 2)], ids=["matrix-stride-1", "vector-stride-2"]
+)
+def test_conv_site_layout_matches_the_grid_equations(a: int, xd: int, c: int, stride: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    b, n, grid, k, m = 2, 2, 5, 3, 3
+    u = torch.randn(b, n, grid, grid, a, xd, generator=g, dtype=F64)
+    wk = torch.randn(k, k, n, xd, m, c, generator=g, dtype=F64) / math.sqrt(xd)
+    x, w, (_, h, w_out) = conv_sites(u, wk, stride)
+    pg = torch.randn(b, h, w_out, m, a, c, generator=g, dtype=F64)
+    p = pg.reshape(b * h * w_out, m, a, c)  # [B, m, a, c]
+    scale = 1.0 / math.sqrt(a * c)
+    s, _ = triton_routed(x, w, p, scale, block_j=4, sites=3)  # 18 children, 2*h*w sites
+    want = conv_equations(u, wk, pg, stride, scale)  # [b, h, w, m, a, c]
+    torch.testing.assert_close(s.view_as(want), want, rtol=1e-10, atol=1e-12)
+    xs, ws, ps = _leaves(x, w, p)
+    s = triton_routed(xs, ws, ps, scale, block_j=4, sites=3)[0]
+    xe, we, pe = _leaves(x, w, p)
+    for got, ref in zip(
+        _grads(s, (xs, ws, ps)),
+        _grads(routed_equations(xe, we, pe, scale)[0], (xe, we, pe)),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    r = torch.rand(x.shape[0], x.shape[1], m, generator=g, dtype=F64)
+    torch.testing.assert_close(
+        triton_weighted(x, w, r, block_j=8, sites=5), weighted_equations(x, w, r)
+    )
+
+
+def test_only_the_needed_gradients_are_computed() -> None:
+    x, w, p, r, scale = _inputs(SHAPES["fc-matrix-partial-tiles"])
+    w_leaf = w.clone().requires_grad_()
+    s, _ = triton_routed(x, w_leaf, p, scale, block_j=2, sites=2)
+    (gw,) = _grads(s, (w_leaf,))
+    we = w.clone().requires_grad_()
+    torch.testing.assert_close(gw, _grads(routed_equations(x, we, p, scale)[0], (we,))[0])
+    r_leaf = r.clone().requires_grad_()
+    (gr,) = _grads(triton_weighted(x, w, r_leaf, block_j=2, sites=2), (r_leaf,))
+    re = r.clone().requires_grad_()
+    torch.testing.assert_close(gr, _grads(weighted_equations(x, w, re), (re,))[0])
+
+
+def test_custom_ops_have_fake_implementations_and_autograd() -> None:
+    x, w, p, r, scale = _inputs(SHAPES["one-child"], dtype=torch.float32)
+    x, w, p, r = _leaves(x, w, p, r)
+    ops = torch.ops.capsctl
+    torch.library.opcheck(ops.triton_routed.default, (x, w, p, scale, [0, 0]))
+    torch.library.opcheck(ops.triton_weighted.default, (x, w, r, [0, 0]))
+    s, rr = ops.triton_routed(x, w, p, scale, [0, 0])
+    g = torch.randn_like(s)
+    args = (x.detach(), w.detach(), p.detach(), rr, g, scale, [True, False, True], [0, 0])
+    torch.library.opcheck(ops.triton_routed_backward.default, args)
+    args = (x.detach(), w.detach(), r.detach(), g, [False, True, True], [0, 0])
+    torch.library.opcheck(ops.triton_weighted_backward.default, args)
+
+
+def test_torch_compile_keeps_the_fused_passes_forward_and_backward() -> None:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: list[str] = []
+
+    def record(gm: torch.fx.GraphModule, _inputs):  # type: ignore[no-untyped-def]
+        seen.extend(str(nd.target) for nd in gm.graph.nodes if nd.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    def layer(x, w, p, scale):  # type: ignore[no-untyped-def]
+        s, r = triton_routed(x, w, p, scale)
+        return triton_weighted(x, w, r, 0, 0) + s
+
+    x, w, p, _, scale = _inputs(SHAPES["one-parent"], dtype=torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=record), fullgraph=True)
+    xs, ws, ps = _leaves(x, w, p)
+    out = compiled(xs, ws, ps, scale)
+    out.sum().backward()
+    xe, we, pe = _leaves(x, w, p)
+    s_ref, r_ref = routed_equations(xe, we, pe, scale)
+    want = weighted_equations(xe, we, r_ref.detach()) + s_ref
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    want.sum().backward()
+    for got, ref in zip((xs, ws, ps), (xe, we, pe), strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+    for op in ("triton_routed", "triton_weighted", "triton_routed_backward"):
+        assert any(f"capsctl.{op}." in t for t in seen), (op, seen)
+    assert not any("bmm" in t or "mm." in t or "einsum" in t for t in seen)  # no votes built
+
+
+def test_the_backend_says_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert triton_backend.unavailable("cpu") == ""  # the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "CUDA" in triton_backend.unavailable("cpu")
+    if not torch.cuda.is_available():
+        assert triton_backend.unavailable("cuda") == "no CUDA device"
+    assert "CUDA devices only" in triton_backend.unavailable("meta")
