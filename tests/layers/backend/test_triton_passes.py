@@ -6,7 +6,9 @@ against the equations written here as einsums in float64 over the full vote tens
 the torch passes of capsctl/layers/passes/ (dense and chunked), and by gradcheck; in fully
 connected and convolutional site layouts (conv windows unfolded here from a child grid), with
 one parent type, one child, block edges that leave partial tiles, and matrix (4 x 4) and
-vector (1 x d) poses; then the custom ops' registration (fake, autograd, torch.compile).
+vector (1 x d) poses; self-routing's gated pass (Hahn et al., NeurIPS 2019) likewise against
+its equations, capsctl/layers/passes/gated.py and gradcheck; then the custom ops'
+registration (fake, autograd, torch.compile).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 
 from capsctl.layers.backend import dispatch  # noqa: E402
 from capsctl.layers.backend import triton as triton_backend  # noqa: E402
-from capsctl.layers.backend.triton.ops import triton_routed, triton_weighted  # noqa: E402
+from capsctl.layers.backend.triton.ops import (  # noqa: E402
+    triton_gated,
+    triton_routed,
+    triton_weighted,
+)
+from capsctl.layers.passes.gated import SELF_ROUTING_EPS, gated_pass  # noqa: E402
 from capsctl.layers.passes.routed import ChunkedRoutedPass, routed_pass_dense  # noqa: E402
 from capsctl.layers.passes.weighted import ChunkedWeightedPass, weighted_pass_dense  # noqa: E402
 
@@ -285,3 +292,74 @@ def test_the_backend_says_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None
     if not torch.cuda.is_available():
         assert triton_backend.unavailable("cuda") == "no CUDA device"
     assert "CUDA devices only" in triton_backend.unavailable("meta")
+
+
+def _gated_inputs(shape: tuple[int, ...], dtype: torch.dtype = F64, seed: int = 5):
+    """Activations ``act[B, J]`` in (0, 1), poses ``x[J, B, a, x]``, pose weights
+    ``w[J, x, m, c]``, routing weights ``wr[J, a*x, m]`` and biases ``br[J, m]``."""
+    j, bsz, a, xd, m, c = shape[:6]
+    g = torch.Generator().manual_seed(seed)
+    act = torch.rand(bsz, j, generator=g, dtype=dtype)
+    x = torch.randn(j, bsz, a, xd, generator=g, dtype=dtype)
+    w = torch.randn(j, xd, m, c, generator=g, dtype=dtype) / math.sqrt(xd)
+    wr = torch.randn(j, a * xd, m, generator=g, dtype=dtype) / math.sqrt(a * xd)
+    br = torch.randn(j, m, generator=g, dtype=dtype)
+    return act, x, w, wr, br
+
+
+def gated_equations(act, x, w, wr, br):  # type: ignore[no-untyped-def]
+    """Self-routing: ``c_ij = softmax_j(W^route_i u_i + b^route_ij)`` over the parents, the
+    mass ``c_ij a_i``; ``S_j = sum_i c_ij a_i V_ij`` and ``T_j = sum_i c_ij a_i``."""
+    j, bsz, a, xd = x.shape
+    logits = torch.einsum("jbi,jim->jbm", x.reshape(j, bsz, a * xd), wr) + br[:, None]  # [J,B,m]
+    coef = torch.softmax(logits, dim=-1)  # [J, B, m]
+    mass = coef * act.t()[:, :, None]  # [J, B, m]
+    return torch.einsum("jbm,jbamc->bmac", mass, votes_of(x, w)), mass.sum(0), coef
+
+
+def _gated_loss(out, seed: int = 6):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    return sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in out[:2])
+
+
+GATED = ["fc-matrix-partial-tiles", "fc-vector-odd-dims", "one-parent", "one-child"]
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_gated_pass_matches_the_equations_and_the_torch_pass(name: str) -> None:
+    shape = SHAPES[name]
+    tiles = {"block_j": shape[6], "sites": shape[7]}
+    ins = _leaves(*_gated_inputs(shape))
+    out = triton_gated(*ins, **tiles)
+    assert not out[2].requires_grad
+    ref_ins = _leaves(*_gated_inputs(shape))
+    want = gated_equations(*ref_ins)
+    for got, ref in zip(out, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    got_g = torch.autograd.grad(_gated_loss(out), ins)
+    for got, ref in zip(got_g, torch.autograd.grad(_gated_loss(want), ref_ins), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    # capsctl/layers/passes/gated.py's pose and activation, in float32
+    ins = _leaves(*_gated_inputs(shape, dtype=torch.float32))
+    s, total, coef = triton_gated(*ins, **tiles)
+    u = s / (total + SELF_ROUTING_EPS)[:, :, None, None]  # [B, m, a, c]
+    act_out = total / (ins[0].sum(-1, keepdim=True) + SELF_ROUTING_EPS)  # [B, m]
+    ref_ins = _leaves(*_gated_inputs(shape, dtype=torch.float32))
+    with dispatch.use("chunked", sites=2):
+        want = gated_pass(*ref_ins)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    for got, ref in zip((u, act_out, coef), want, strict=True):
+        torch.testing.assert_close(got, ref, **tol)
+    got_g = torch.autograd.grad(_gated_loss((u, act_out)), ins)
+    for got, ref in zip(got_g, torch.autograd.grad(_gated_loss(want), ref_ins), strict=True):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+def test_gated_pass_passes_gradcheck_and_opcheck() -> None:
+    shape = SHAPES["fc-matrix-partial-tiles"]
+    ins = _leaves(*_gated_inputs(shape))
+    assert torch.autograd.gradcheck(
+        lambda *t: triton_gated(*t, block_j=2, sites=2)[:2], ins, fast_mode=True
+    )
+    ins = _leaves(*_gated_inputs(SHAPES["one-child"], dtype=torch.float32))
+    torch.library.opcheck(torch.ops.capsctl.triton_gated.default, (*ins, [0, 0]))

@@ -1,9 +1,10 @@
 """Fused GPU passes in Triton: the votes built on chip tile by tile and never stored.
 
-kernels.py holds the Triton kernels (the routed and the weighted pass, forward and backward,
-float32 accumulation); ops.py registers them as ``torch.library`` custom ops
-(``capsctl::triton_routed``, ``capsctl::triton_weighted`` and their backwards) with fake
-implementations and autograd, so ``torch.compile`` keeps each pass as one node.
+kernels.py holds the Triton kernels of the routed and the weighted pass, gated.py those of
+self-routing's gated pass (forward and backward, float32 accumulation); ops.py registers them
+as ``torch.library`` custom ops (``capsctl::triton_routed``, ``capsctl::triton_weighted``,
+``capsctl::triton_gated`` and their backwards) with fake implementations and autograd, so
+``torch.compile`` keeps each pass as one node.
 
 Importing this package imports neither Triton nor the kernels: :func:`unavailable` says why
 the passes cannot run on a tensor's device ("" where they can), and :func:`ops` imports them.
