@@ -8,20 +8,19 @@ float32 accumulation); ops.py and em_ops.py register them as ``torch.library`` c
 ``torch.compile`` keeps each pass as one node.
 
 Importing this package imports neither Triton nor the kernels: :func:`unavailable` says why
-the passes cannot run on a tensor's device ("" where they can), and :func:`ops` imports them.
+the passes cannot run on a tensor's device ("" where they can); ops.py and em_ops.py import
+Triton and register the ops (nothing is compiled until a launch).
 On a CPU they run only under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton
 is imported), which the tests use; a model on a CPU never takes this backend.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-from types import ModuleType
 
 import torch
 
-__all__ = ["interpreted", "ops", "unavailable"]
+__all__ = ["interpreted", "unavailable"]
 
 
 def interpreted() -> bool:
@@ -40,12 +39,7 @@ def unavailable(device: torch.device | str) -> str:
     if device.type == "cpu" and not interpreted():
         return "the Triton passes run on CUDA devices (on a CPU only under TRITON_INTERPRET=1)"
     try:
-        importlib.import_module("triton")
+        import triton  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install
         return f"triton cannot import ({type(exc).__name__}: {exc})"
     return ""
-
-
-def ops() -> ModuleType:
-    """The module of the custom ops (imports Triton and compiles nothing until a launch)."""
-    return importlib.import_module("capsctl.layers.backend.triton.ops")

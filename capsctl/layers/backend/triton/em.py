@@ -18,7 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from capsctl.layers.backend.triton.kernels import _add_site, _site, _tile, _votes, _w_row, _x_col
+from capsctl.layers.backend.triton.kernels import (
+    add_site,
+    load_site,
+    tile_index,
+    votes,
+    w_row,
+    x_col,
+)
 
 __all__ = ["em_backward", "em_forward"]
 
@@ -41,23 +48,23 @@ def em_forward(
     ``k = r act`` (``k_ptr``: ``r``); quadratic form: ``o1[B, J, m] = sum (q U + p U^2)``."""
     j0 = tl.program_id(0) * BJ
     b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = _tile(j0, BJ, BM, BA, BC)
+    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
     for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        u = _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        u -= _site(s_ptr, b, mm, aa, cc, M, A, C, ACC)
+        u = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
+        u -= load_site(s_ptr, b, mm, aa, cc, M, A, C, ACC)
         offs, j2, m2 = _pair_offs(j0, b, J, M, BJ, BM)  # [BJ, BM]
         pmask = (j2 < J) & (m2 < M)
         if QUAD:
-            qv = _site(q_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
-            pv = _site(p_ptr, b, mm, aa, cc, M, A, C, ACC)
+            qv = load_site(q_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
+            pv = load_site(p_ptr, b, mm, aa, cc, M, A, C, ACC)
             quad = tl.sum(tl.sum(u * (qv + pv * u), axis=3), axis=2)  # [BJ, BM]
             tl.store(o1_ptr + offs, quad, mask=pmask)
         else:
             act = tl.load(act_ptr + b * J + j2, mask=j2 < J, other=0.0).to(ACC)  # [BJ, 1]
             k = tl.load(k_ptr + offs, mask=pmask, other=0.0).to(ACC) * act  # [BJ, BM]
             k4 = k[:, :, None, None]
-            _add_site(o1_ptr, b, tl.sum(k4 * u, axis=0), M, A, C, BM, BA, BC)
-            _add_site(o2_ptr, b, tl.sum(k4 * u * u, axis=0), M, A, C, BM, BA, BC)
+            add_site(o1_ptr, b, tl.sum(k4 * u, axis=0), M, A, C, BM, BA, BC)
+            add_site(o2_ptr, b, tl.sum(k4 * u * u, axis=0), M, A, C, BM, BA, BC)
             m1 = tl.arange(0, BM)
             tl.atomic_add(mass_ptr + b * M + m1, tl.sum(k, axis=0), mask=m1 < M)
 
@@ -75,22 +82,22 @@ def em_backward(
     ``gk``, ``gact``: ``dq``, ``dp[B, m, a, c]`` added. Both: ``dX`` stored, ``dW`` added."""
     j0 = tl.program_id(0) * BJ
     b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = _tile(j0, BJ, BM, BA, BC)
+    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
     xs = tl.arange(0, BX)[None, None, None, :]  # [1, 1, 1, BX]
     gw = tl.zeros((BJ, BM, BC, BX), dtype=ACC)  # dW of the tile, [j, m, c, x]
     for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        u = _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        u -= _site(s_ptr, b, mm, aa, cc, M, A, C, ACC)
+        u = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
+        u -= load_site(s_ptr, b, mm, aa, cc, M, A, C, ACC)
         offs, j2, m2 = _pair_offs(j0, b, J, M, BJ, BM)  # [BJ, BM]
         pmask = (j2 < J) & (m2 < M)
-        g1 = _site(g1_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
-        g2 = _site(g2_ptr, b, mm, aa, cc, M, A, C, ACC)
+        g1 = load_site(g1_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
+        g2 = load_site(g2_ptr, b, mm, aa, cc, M, A, C, ACC)
         k = tl.load(k_ptr + offs, mask=pmask, other=0.0).to(ACC)  # [BJ, BM]: r, or gQ
         if QUAD:
             if NEED_K:
                 k4 = k[:, :, None, None]
-                _add_site(gk_ptr, b, tl.sum(k4 * u, axis=0), M, A, C, BM, BA, BC)
-                _add_site(gact_ptr, b, tl.sum(k4 * u * u, axis=0), M, A, C, BM, BA, BC)
+                add_site(gk_ptr, b, tl.sum(k4 * u, axis=0), M, A, C, BM, BA, BC)
+                add_site(gact_ptr, b, tl.sum(k4 * u * u, axis=0), M, A, C, BM, BA, BC)
         else:
             act = tl.load(act_ptr + b * J + j2, mask=j2 < J, other=0.0).to(ACC)  # [BJ, 1]
             if NEED_K:
@@ -102,13 +109,13 @@ def em_backward(
         dv = k[:, :, None, None] * (g1 + 2.0 * u * g2)  # [BJ, BM, BA, BC]
         for xi in tl.static_range(XD):
             if NEED_X:
-                wv = _w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
+                wv = w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
                 gxi = tl.sum(tl.sum(dv * wv, axis=3), axis=1)  # [BJ, BA]
                 a2 = tl.arange(0, BA)[None, :]
                 xoffs = ((j2 * B + b) * A + a2) * XD + xi  # [BJ, BA]
                 tl.store(gx_ptr + xoffs, gxi, mask=(j2 < J) & (a2 < A))
             if NEED_W:
-                xv = _x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
+                xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
                 gw += tl.where(xs == xi, tl.sum(xv * dv, axis=2)[:, :, :, None], 0.0)
     if NEED_W:
         c4 = tl.arange(0, BC)[None, None, :, None]

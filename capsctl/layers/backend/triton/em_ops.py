@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend.triton import em
-from capsctl.layers.backend.triton.ops import _acc, _blocks, _on, launch_shape
+from capsctl.layers.backend.triton.ops import acc_dtype, block_sizes, launch_shape, on_device
 
 __all__ = ["triton_em_moments", "triton_em_quad"]
 
@@ -25,9 +25,11 @@ def _launch(kernel, x: Tensor, w: Tensor, tiling: list[int], args: tuple, **meta
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
     bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    blocks = _blocks(m, a, c, xd if "NEED_X" in meta else 0)
-    with _on(x):
-        kernel[grid](*args, j, bsz, m, a, c, sb, XD=xd, ACC=_acc(x)[1], BJ=bj, **blocks, **meta)
+    blocks = block_sizes(m, a, c, xd if "NEED_X" in meta else 0)
+    with on_device(x):
+        kernel[grid](
+            *args, j, bsz, m, a, c, sb, XD=xd, ACC=acc_dtype(x)[1], BJ=bj, **blocks, **meta
+        )
 
 
 def _forward(
@@ -43,7 +45,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt = _acc(x)[0]
+    dt = acc_dtype(x)[0]
     k, act, q, p, x, w, shift = (t.contiguous() for t in (k, act, q, p, x, w, shift))
     if quad:
         o1 = x.new_empty(bsz, j, m, dtype=dt)  # [B, J, m], stored
@@ -74,7 +76,7 @@ def _backward(
     gradient is an empty tensor (``needs``: the coefficients', ``x``'s, ``w``'s)."""
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt = _acc(x)[0]
+    dt = acc_dtype(x)[0]
     k, act, g1, g2, gm, x, w, shift = (t.contiguous() for t in (k, act, g1, g2, gm, x, w, shift))
     empty = x.new_zeros(1, dtype=dt)
     if not needs[0]:

@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 
 from capsctl.layers.backend.triton.kernels import (
-    _add_site,
-    _coef_offs,
-    _tile,
-    _votes,
-    _w_row,
-    _x_col,
+    add_site,
+    coef_offs,
+    tile_index,
+    votes,
+    w_row,
+    x_col,
 )
 
 __all__ = ["gated_backward", "gated_forward"]
@@ -36,7 +36,7 @@ def _logits(x_ptr, wr_ptr, br_ptr, b, jj, mm, aa, j2, m2, J, B, M, A,
     (``jj, mm, aa``: the tile's index blocks; ``j2[BJ, 1]``, ``m2[1, BM]``)."""
     logit = tl.load(br_ptr + j2 * M + m2, mask=(j2 < J) & (m2 < M), other=0.0).to(ACC)
     for xi in tl.static_range(XD):
-        xv = _x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
+        xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
         offs = ((jj * A + aa) * XD + xi) * M + mm  # [BJ, BM, BA, 1] into wr[J, a*x, m]
         wrv = tl.load(wr_ptr + offs, mask=(jj < J) & (mm < M) & (aa < A), other=0.0).to(ACC)
         logit += tl.sum(tl.sum(xv * wrv, axis=3), axis=2)  # [BJ, BM]
@@ -53,9 +53,9 @@ def gated_forward(
     one child tile and a span of sites."""
     j0 = tl.program_id(0) * BJ
     b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = _tile(j0, BJ, BM, BA, BC)
+    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
     for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        roffs, j2, m2 = _coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
+        roffs, j2, m2 = coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
         logit = _logits(x_ptr, wr_ptr, br_ptr, b, jj, mm, aa, j2, m2, J, B, M, A, XD, ACC)
         logit = tl.where(m2 < M, logit, float("-inf"))
         e = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # [BJ, BM]
@@ -65,8 +65,8 @@ def gated_forward(
         q = tl.where(m2 < M, coef * act, 0.0)  # [BJ, BM]
         m1 = tl.arange(0, BM)
         tl.atomic_add(t_ptr + b * M + m1, tl.sum(q, axis=0), mask=m1 < M)  # T[b, m]
-        v = _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        _add_site(s_ptr, b, tl.sum(q[:, :, None, None] * v, axis=0), M, A, C, BM, BA, BC)
+        v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
+        add_site(s_ptr, b, tl.sum(q[:, :, None, None] * v, axis=0), M, A, C, BM, BA, BC)
 
 
 @triton.jit
@@ -80,17 +80,17 @@ def gated_backward(
     ``dbr[J, m]`` added once per program."""
     j0 = tl.program_id(0) * BJ
     b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = _tile(j0, BJ, BM, BA, BC)
+    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
     xs = tl.arange(0, BX)[None, None, None, :]  # [1, 1, 1, BX]
     gw = tl.zeros((BJ, BM, BC, BX), dtype=ACC)  # dW of the tile, [j, m, c, x]
     gwr = tl.zeros((BJ, BM, BA, BX), dtype=ACC)  # dwr of the tile, [j, m, a, x]
     gbr = tl.zeros((BJ, BM), dtype=ACC)
     for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        roffs, j2, m2 = _coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
+        roffs, j2, m2 = coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
         cmask = (j2 < J) & (m2 < M)
         coef = tl.load(coef_ptr + roffs, mask=cmask, other=0.0).to(ACC)  # [BJ, BM]
         act = tl.load(act_ptr + b * J + j2, mask=j2 < J, other=0.0).to(ACC)  # [BJ, 1]
-        v = _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
+        v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
         offs = ((b * M + mm) * A + aa) * C + cc  # [1, BM, BA, BC] into gS[B, m, a, c]
         gsv = tl.load(gs_ptr + offs, mask=(mm < M) & (aa < A) & (cc < C), other=0.0).to(ACC)
         gtv = tl.load(gt_ptr + b * M + m2, mask=m2 < M, other=0.0).to(ACC)  # [1, BM]
@@ -103,14 +103,14 @@ def gated_backward(
         dl4 = dl[:, :, None, None]  # [BJ, BM, 1, 1]
         a2 = tl.arange(0, BA)[None, :]
         for xi in tl.static_range(XD):
-            wv = _w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
+            wv = w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
             roffs4 = ((jj * A + aa) * XD + xi) * M + mm  # [BJ, BM, BA, 1] into wr[J, a*x, m]
             wrv = tl.load(wr_ptr + roffs4, mask=(jj < J) & (mm < M) & (aa < A), other=0.0)
             gxi = tl.sum(tl.sum(dv * wv, axis=3), axis=1)  # [BJ, BA]: through the votes
             gxi += tl.sum(tl.sum(dl4 * wrv.to(ACC), axis=3), axis=1)  # and the logits
             offs2 = ((j2 * B + b) * A + a2) * XD + xi  # [BJ, BA]
             tl.store(gx_ptr + offs2, gxi, mask=(j2 < J) & (a2 < A))
-            xv = _x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
+            xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
             gw += tl.where(xs == xi, tl.sum(xv * dv, axis=2)[:, :, :, None], 0.0)
             gwr += tl.where(xs == xi, xv * dl4, 0.0)  # [BJ, BM, BA, BX]
     c4 = tl.arange(0, BC)[None, None, :, None]

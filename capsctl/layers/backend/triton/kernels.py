@@ -25,9 +25,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+__all__ = [
+    "add_site",
+    "coef_offs",
+    "load_site",
+    "pass_backward",
+    "pass_forward",
+    "tile_index",
+    "votes",
+    "w_row",
+    "x_col",
+]
+
 
 @triton.jit
-def _tile(j0, BJ: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr):
+def tile_index(j0, BJ: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr):
     """Index blocks ``jj[BJ,1,1,1]``, ``mm[1,BM,1,1]``, ``aa[1,1,BA,1]``, ``cc[1,1,1,BC]``."""
     jj = (j0 + tl.arange(0, BJ)).to(tl.int64)[:, None, None, None]
     mm = tl.arange(0, BM)[None, :, None, None]
@@ -37,40 +49,38 @@ def _tile(j0, BJ: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BC: tl.const
 
 
 @triton.jit
-def _x_col(x_ptr, b, xi, jj, aa, J, B, A, XD: tl.constexpr, ACC: tl.constexpr):
+def x_col(x_ptr, b, xi, jj, aa, J, B, A, XD: tl.constexpr, ACC: tl.constexpr):
     """Column ``xi`` of the child poses at site ``b``: ``X[j, b, a, xi]`` -> ``[BJ, 1, BA, 1]``."""
     offs = ((jj * B + b) * A + aa) * XD + xi
     return tl.load(x_ptr + offs, mask=(jj < J) & (aa < A), other=0.0).to(ACC)
 
 
 @triton.jit
-def _w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD: tl.constexpr, ACC: tl.constexpr):
+def w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD: tl.constexpr, ACC: tl.constexpr):
     """Row ``xi`` of the weights: ``W[j, xi, m, c]`` -> ``[BJ, BM, 1, BC]``."""
     offs = ((jj * XD + xi) * M + mm) * C + cc
     return tl.load(w_ptr + offs, mask=(jj < J) & (mm < M) & (cc < C), other=0.0).to(ACC)
 
 
 @triton.jit
-def _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD: tl.constexpr, ACC: tl.constexpr):
+def votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD: tl.constexpr, ACC: tl.constexpr):
     """``V[j, m, a, c] = sum_x X[j, b, a, x] W[j, x, m, c]`` of one site -> ``[BJ, BM, BA, BC]``."""
-    v = _x_col(x_ptr, b, 0, jj, aa, J, B, A, XD, ACC) * _w_row(
-        w_ptr, 0, jj, mm, cc, J, M, C, XD, ACC
-    )
+    v = x_col(x_ptr, b, 0, jj, aa, J, B, A, XD, ACC) * w_row(w_ptr, 0, jj, mm, cc, J, M, C, XD, ACC)
     for xi in tl.static_range(1, XD):
-        xv = _x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
-        v += xv * _w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, BA, BC]
+        xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
+        v += xv * w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, BA, BC]
     return v
 
 
 @triton.jit
-def _site(ptr, b, mm, aa, cc, M, A, C, ACC: tl.constexpr):
+def load_site(ptr, b, mm, aa, cc, M, A, C, ACC: tl.constexpr):
     """A parent-sized operand at site ``b``: ``T[b, m, a, c]`` -> ``[1, BM, BA, BC]``."""
     offs = ((b * M + mm) * A + aa) * C + cc
     return tl.load(ptr + offs, mask=(mm < M) & (aa < A) & (cc < C), other=0.0).to(ACC)
 
 
 @triton.jit
-def _add_site(ptr, b, part, M, A, C, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr):
+def add_site(ptr, b, part, M, A, C, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr):
     """Atomically add ``part[BM, BA, BC]`` to ``T[b, m, a, c]``."""
     m3 = tl.arange(0, BM)[:, None, None]
     a3 = tl.arange(0, BA)[None, :, None]
@@ -80,7 +90,7 @@ def _add_site(ptr, b, part, M, A, C, BM: tl.constexpr, BA: tl.constexpr, BC: tl.
 
 
 @triton.jit
-def _coef_offs(j0, b, B, M, BJ: tl.constexpr, BM: tl.constexpr):
+def coef_offs(j0, b, B, M, BJ: tl.constexpr, BM: tl.constexpr):
     """Offsets ``[BJ, BM]`` into a coefficient-sized ``T[J, B, m]`` at site ``b``, and ``m``."""
     j2 = (j0 + tl.arange(0, BJ)).to(tl.int64)[:, None]
     m2 = tl.arange(0, BM)[None, :]
@@ -97,13 +107,13 @@ def pass_forward(
     from the agreement with ``P`` (written to ``r_ptr``), else read from ``r_ptr``."""
     j0 = tl.program_id(0) * BJ
     b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = _tile(j0, BJ, BM, BA, BC)
+    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
     for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        v = _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        roffs, j2, m2 = _coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
+        v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
+        roffs, j2, m2 = coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
         rmask = (j2 < J) & (m2 < M)
         if ROUTED:
-            pv = _site(p_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
+            pv = load_site(p_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
             logit = tl.sum(tl.sum(v * pv, axis=3), axis=2) * scale  # [BJ, BM]
             logit = tl.where(m2 < M, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # [BJ, BM]
@@ -112,7 +122,7 @@ def pass_forward(
         else:
             r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BJ, BM]
         part = tl.sum(r[:, :, None, None] * v, axis=0)  # [BM, BA, BC]
-        _add_site(s_ptr, b, part, M, A, C, BM, BA, BC)
+        add_site(s_ptr, b, part, M, A, C, BM, BA, BC)
 
 
 @triton.jit
@@ -127,13 +137,13 @@ def pass_backward(
     added per site (routed) or ``dR[J, B, m]`` stored in ``gp_ptr`` (weighted)."""
     j0 = tl.program_id(0) * BJ
     b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = _tile(j0, BJ, BM, BA, BC)
+    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
     xs = tl.arange(0, BX)[None, None, None, :]  # [1, 1, 1, BX]
     gw = tl.zeros((BJ, BM, BC, BX), dtype=ACC)  # dW of the tile, [j, m, c, x]
     for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        v = _votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        gv = _site(g_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
-        roffs, j2, m2 = _coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
+        v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
+        gv = load_site(g_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
+        roffs, j2, m2 = coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
         rmask = (j2 < J) & (m2 < M)
         r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BJ, BM]
         dr = tl.sum(tl.sum(v * gv, axis=3), axis=2)  # [BJ, BM]
@@ -142,20 +152,20 @@ def pass_backward(
             da = r * (dr - tl.sum(r * dr, axis=1)[:, None])  # [BJ, BM], before the scale
             if NEED_P:
                 part = tl.sum(da[:, :, None, None] * v, axis=0) * scale  # [BM, BA, BC]
-                _add_site(gp_ptr, b, part, M, A, C, BM, BA, BC)
-            pv = _site(p_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
+                add_site(gp_ptr, b, part, M, A, C, BM, BA, BC)
+            pv = load_site(p_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
             dv += (scale * da)[:, :, None, None] * pv  # [BJ, BM, BA, BC]
         elif NEED_P:
             tl.store(gp_ptr + roffs, dr, mask=rmask)  # dR[J, B, m]
         for xi in tl.static_range(XD):
             if NEED_X:
-                wv = _w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
+                wv = w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
                 gxi = tl.sum(tl.sum(dv * wv, axis=3), axis=1)  # [BJ, BA]
                 a2 = tl.arange(0, BA)[None, :]
                 offs = ((j2 * B + b) * A + a2) * XD + xi  # [BJ, BA]
                 tl.store(gx_ptr + offs, gxi, mask=(j2 < J) & (a2 < A))
             if NEED_W:
-                xv = _x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
+                xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
                 gwi = tl.sum(xv * dv, axis=2)  # [BJ, BM, BC]
                 gw += tl.where(xs == xi, gwi[:, :, :, None], 0.0)  # [BJ, BM, BC, BX]
     if NEED_W:

@@ -30,7 +30,15 @@ from torch import Tensor
 
 from capsctl.layers.backend.triton import gated, kernels
 
-__all__ = ["launch_shape", "triton_gated", "triton_routed", "triton_weighted"]
+__all__ = [
+    "acc_dtype",
+    "block_sizes",
+    "launch_shape",
+    "on_device",
+    "triton_gated",
+    "triton_routed",
+    "triton_weighted",
+]
 
 # elements of a program's vote block [BJ, BM, BA, BC] the default child tile aims at
 _BLOCK_ELEMENTS = 4096
@@ -38,7 +46,7 @@ _BLOCK_ELEMENTS = 4096
 _PROGRAMS = 4096
 
 
-def _acc(t: Tensor) -> tuple[torch.dtype, object]:
+def acc_dtype(t: Tensor) -> tuple[torch.dtype, object]:
     """The accumulation dtype of ``t``, in torch and in Triton."""
     if t.dtype == torch.float64:
         return torch.float64, kernels.tl.float64
@@ -57,7 +65,7 @@ def launch_shape(
     return bj, sb, (tiles, triton.cdiv(bsz, sb))
 
 
-def _blocks(m: int, a: int, c: int, xd: int) -> dict[str, int]:
+def block_sizes(m: int, a: int, c: int, xd: int) -> dict[str, int]:
     np2 = triton.next_power_of_2
     return {"BM": np2(m), "BA": np2(a), "BC": np2(c)} | ({"BX": np2(xd)} if xd else {})
 
@@ -68,7 +76,7 @@ def _forward(
     """``(s[B, m, a, c], r[J, B, m])``: routed when ``p`` is given, else weighted by ``r``."""
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt, acc = _acc(x)
+    dt, acc = acc_dtype(x)
     x, w = x.contiguous(), w.contiguous()
     s = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], summed atomically
     routed = p is not None
@@ -79,10 +87,10 @@ def _forward(
         r = r.contiguous()
         p = s  # not read
     bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    with _on(x):
+    with on_device(x):
         kernels.pass_forward[grid](
             x, w, p, r, s, j, bsz, m, a, c, sb, scale,
-            XD=xd, ROUTED=routed, ACC=acc, BJ=bj, **_blocks(m, a, c, 0),
+            XD=xd, ROUTED=routed, ACC=acc, BJ=bj, **block_sizes(m, a, c, 0),
         )  # fmt: skip
     return s.to(x.dtype), r
 
@@ -101,7 +109,7 @@ def _backward(
     (routed) or of ``r[J, B, m]`` (weighted); an unneeded gradient is an empty tensor."""
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt, acc = _acc(x)
+    dt, acc = acc_dtype(x)
     x, w, r, gs = x.contiguous(), w.contiguous(), r.contiguous(), gs.contiguous()
     routed = p is not None
     empty = x.new_zeros(1, dtype=dt)
@@ -114,18 +122,18 @@ def _backward(
     else:
         gp = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m], stored
     bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    with _on(x):
+    with on_device(x):
         kernels.pass_backward[grid](
             x, w, p.contiguous() if routed else gs, r, gs, gx, gw, gp, j, bsz, m, a, c, sb,
             scale, XD=xd, ROUTED=routed, ACC=acc, NEED_X=bool(needs[0]),
-            NEED_W=bool(needs[1]), NEED_P=bool(needs[2]), BJ=bj, **_blocks(m, a, c, xd),
+            NEED_W=bool(needs[1]), NEED_P=bool(needs[2]), BJ=bj, **block_sizes(m, a, c, xd),
         )  # fmt: skip
     return tuple(
         g.to(x.dtype) if n else x.new_empty(0) for g, n in zip((gx, gw, gp), needs, strict=True)
     )
 
 
-def _on(t: Tensor) -> contextlib.AbstractContextManager:
+def on_device(t: Tensor) -> contextlib.AbstractContextManager:
     """The CUDA device of ``t`` made current for the launch (nothing for a CPU tensor, which
     only Triton's interpreter runs)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -142,7 +150,7 @@ def _routed_op(
 def _(x: Tensor, w: Tensor, p: Tensor, scale: float, tiling: list[int]) -> tuple[Tensor, Tensor]:
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
-    return x.new_empty(bsz, m, a, c), x.new_empty(j, bsz, m, dtype=_acc(x)[0])
+    return x.new_empty(bsz, m, a, c), x.new_empty(j, bsz, m, dtype=acc_dtype(x)[0])
 
 
 @torch.library.custom_op("capsctl::triton_routed_backward", mutates_args=())
@@ -239,16 +247,16 @@ def _gated_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt, acc = _acc(x)
+    dt, acc = acc_dtype(x)
     act, x, w, wr, br = (t.contiguous() for t in (act, x, w, wr, br))
     s = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], summed atomically
     total = x.new_zeros(bsz, m, dtype=dt)  # [B, m], summed atomically
     coef = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m]
     bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    with _on(x):
+    with on_device(x):
         gated.gated_forward[grid](
             act, x, w, wr, br, coef, s, total, j, bsz, m, a, c, sb,
-            XD=xd, ACC=acc, BJ=bj, **_blocks(m, a, c, 0),
+            XD=xd, ACC=acc, BJ=bj, **block_sizes(m, a, c, 0),
         )  # fmt: skip
     return s.to(x.dtype), total.to(x.dtype), coef
 
@@ -257,7 +265,7 @@ def _gated_op(
 def _(act, x, w, wr, br, tiling):  # type: ignore[no-untyped-def]
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
-    coef = x.new_empty(j, bsz, m, dtype=_acc(x)[0])
+    coef = x.new_empty(j, bsz, m, dtype=acc_dtype(x)[0])
     return x.new_empty(bsz, m, a, c), x.new_empty(bsz, m), coef
 
 
@@ -268,7 +276,7 @@ def _gated_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt, acc = _acc(x)
+    dt, acc = acc_dtype(x)
     act, x, w, wr, gs, gt = (t.contiguous() for t in (act, x, w, wr, gs, gt))
     gact = x.new_empty(bsz, j, dtype=dt)  # [B, J], stored
     gx = x.new_empty(j, bsz, a, xd, dtype=dt)  # [J, B, a, x], stored
@@ -276,10 +284,10 @@ def _gated_bwd_op(
     gwr = x.new_zeros(j, a * xd, m, dtype=dt)  # [J, a*x, m], added
     gbr = x.new_zeros(j, m, dtype=dt)  # [J, m], added
     bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    with _on(x):
+    with on_device(x):
         gated.gated_backward[grid](
             act, x, w, wr, coef, gs, gt, gact, gx, gw, gwr, gbr, j, bsz, m, a, c, sb,
-            XD=xd, ACC=acc, BJ=bj, **_blocks(m, a, c, xd),
+            XD=xd, ACC=acc, BJ=bj, **block_sizes(m, a, c, xd),
         )  # fmt: skip
     return tuple(g.to(x.dtype) for g in (gact, gx, gw, gwr, gbr))
 
