@@ -7,8 +7,8 @@ the torch passes of capsctl/layers/passes/ (dense and chunked), and by gradcheck
 connected and convolutional site layouts (conv windows unfolded here from a child grid), with
 one parent type, one child, block edges that leave partial tiles, and matrix (4 x 4) and
 vector (1 x d) poses; self-routing's gated pass (Hahn et al., NeurIPS 2019) likewise against
-its equations, capsctl/layers/passes/gated.py and gradcheck; then the custom ops'
-registration (fake, autograd, torch.compile).
+its equations, capsctl/layers/passes/gated.py and gradcheck; bf16 inputs summed in float32;
+then the custom ops' registration (fake, autograd, torch.compile).
 """
 
 from __future__ import annotations
@@ -366,3 +366,20 @@ def test_gated_pass_passes_gradcheck_and_opcheck() -> None:
     )
     ins = _leaves(*_gated_inputs(SHAPES["one-child"], dtype=torch.float32))
     torch.library.opcheck(torch.ops.capsctl.triton_gated.default, (*ins, [0, 0]))
+
+
+def test_bfloat16_inputs_are_summed_in_float32() -> None:
+    """bf16 poses and weights: the coefficients as float32's on the same (rounded) inputs, the
+    sum and every gradient rounded to bf16 only at the end."""
+    shape = SHAPES["fc-matrix-partial-tiles"]
+    x, w, p, _, scale = (t.bfloat16() if torch.is_tensor(t) else t for t in _inputs(shape))
+    tiles = {"block_j": shape[6], "sites": shape[7]}
+    half, full = _leaves(x, w, p), _leaves(x.float(), w.float(), p.float())
+    (s, r), (s32, r32) = (triton_routed(*t, scale, **tiles) for t in (half, full))
+    assert s.dtype == torch.bfloat16 and r.dtype == torch.float32
+    torch.testing.assert_close(r, r32, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(s, s32.bfloat16())
+    grads = torch.autograd.grad(s.float().sum(), half)
+    for got, want in zip(grads, torch.autograd.grad(s32.sum(), full), strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want.bfloat16())
