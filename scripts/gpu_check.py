@@ -7,8 +7,8 @@ size, and time to accuracy of two training recipes, in one command that fits in 
 1. Bench, batch 128: ResNet-18, cifar10-caps, cifar10-caps-simple (concurrent and sequential),
    each in fp32, bf16 autocast + channels_last, and the same compiled (``torch.compile``); the
    ratios are to ResNet-18 under the same settings.
-2. Chunk size of the routed passes (capsctl/layers/chunks.py): cifar10-caps-simple sequential,
-   one training step at several ``DEVICE_CHUNK_BYTES``.
+2. Chunk size of the routed passes (capsctl/layers/backend/chunks.py): cifar10-caps-simple
+   sequential, one training step at several ``DEVICE_CHUNK_BYTES``.
 3. Training: ``cifar10-caps-fast`` as its preset says and ``cifar10-caps`` on a one-cycle
    schedule fitted to ``--minutes``, both in bf16 with channels_last and a 5,000-image
    validation split; reports the seconds to 90% and 94% validation accuracy and the final test

@@ -1,4 +1,6 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and helpers: the CLI runner (:func:`run_cli`, imported by the tests
+with ``from conftest import run_cli``), one tiny trained run for the whole session
+(:func:`tiny_trained_run`), tiny untrained checkpoints, the data folder, the routing backend."""
 
 from __future__ import annotations
 
@@ -7,6 +9,38 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from tiny import tiny_args
+
+#: Steps per epoch of the session's tiny trained run (one epoch, batch 16).
+TINY_RUN_STEPS = 20
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], args: Sequence[str]) -> tuple[int, str, str]:
+    """Run ``capsctl <args>`` in this process: its exit code, stdout and stderr."""
+    from capsctl.cli import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of one tiny capsule net trained once per session on the embedded
+    Fashion-MNIST subset (the quickstart preset, :func:`tiny.tiny_args`, 20 steps of 16 images,
+    one epoch): ``best.safetensors``, ``last.safetensors``, ``metrics.jsonl``,
+    ``results.json``... Shared by every test that needs a trained checkpoint: read it, or copy
+    it before writing (``shutil.copytree``)."""
+    from capsctl.cli import main
+
+    out = tmp_path_factory.mktemp("tiny-run")
+    args = ["train", "--preset", "quickstart", *tiny_args(TINY_RUN_STEPS), "--epochs", "1"]
+    main([*args, "--out", str(out), "--overwrite", "--json"])
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -30,10 +64,10 @@ def _run_in_an_empty_folder(
 @pytest.fixture
 def eager_routing() -> Iterator[None]:
     """Run the routed and weighted passes as torch code (not the compiled loops of
-    capsctl/layers/native.py), for tests of the chunked passes' own tiles and threads."""
-    from capsctl.layers.native import native_disabled
+    capsctl/layers/backend/native.py), for tests of the chunked passes' own tiles and threads."""
+    from capsctl.layers import dispatch
 
-    with native_disabled():
+    with dispatch.use("chunked"):
         yield
 
 

@@ -23,7 +23,7 @@ from capsctl.bench import (
 )
 from capsctl.config import resolve_config
 from capsctl.errors import ConfigError, UsageError
-from capsctl.layers.native import native_summary
+from capsctl.layers import native_summary
 from capsctl.models.capsnet import CapsNet
 
 MB = 1024 * 1024

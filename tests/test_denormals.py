@@ -14,7 +14,6 @@ from capsctl.bench import run_bench
 from capsctl.config import resolve_config
 from capsctl.devices import denormals_flushed, flush_denormals
 from capsctl.layers import chunks
-from capsctl.layers.chunks import run_spans
 from capsctl.training import fit
 from tests.test_training import tiny_preset
 
@@ -72,7 +71,7 @@ def spans_see() -> list[float]:
     def part(i: int, start: int, stop: int) -> None:
         seen[i] = product_of_a_subnormal()
 
-    run_spans(part, [(0, 1), (1, 2)])
+    chunks.run_spans(part, [(0, 1), (1, 2)])
     return seen
 
 

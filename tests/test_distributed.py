@@ -133,7 +133,7 @@ def test_one_by_one_kernels_take_the_strides_of_their_gradients() -> None:
     from capsctl.training.distributed import _standard_strides
 
     model = nn.Sequential(nn.Conv2d(8, 6, 3), nn.Conv2d(6, 4, 1))  # capsule nets feed their
-    # convolutions channels-last features (capsctl/layers/layout.py), whatever the weights
+    # convolutions channels-last features (capsctl/layers/passes/layout.py), whatever the weights
     before = [p.detach().clone() for p in model.parameters()]
     _standard_strides(model)
     x = torch.randn(2, 8, 7, 7).contiguous(memory_format=torch.channels_last)

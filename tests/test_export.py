@@ -318,7 +318,7 @@ def test_refuses_to_overwrite_the_checkpoint(plain_ckpt: Path) -> None:
 
 
 def test_parity_failure_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import capsctl.layers.routing as routing
+    import capsctl.layers.passes.routed as routing
 
     ckpt = write_tiny_checkpoint(tmp_path / "tiny.safetensors", training_state=False)
     real = routing.routed_pass_dense

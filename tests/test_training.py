@@ -456,7 +456,7 @@ def test_compile_option_compiles_the_model_and_uses_the_dense_pass(
     """--compile hands the training module to torch.compile; under compilation the routed pass
     takes the traceable dense formula (compiling for real takes minutes on 2 cores, so the
     compiler is replaced by a spy here)."""
-    import capsctl.layers.routing as routing
+    import capsctl.layers.passes.routed as routing
 
     compiled: list[object] = []
 

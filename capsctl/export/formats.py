@@ -15,7 +15,7 @@ the parity result) is written next to it.
 
 Exporting the capsule network: the eager routed pass walks over the batch in chunks with a
 Python loop, which tracing would unroll and specialize to the example's batch size. While
-tracing, :func:`capsctl.layers.routing.dense_routing` selects the dense formula of the same
+tracing, :func:`capsctl.layers.dispatch.use` (``"dense"``) selects the dense formula of the same
 pass (one expression for any batch size); the eager model used as the parity reference keeps
 the chunked code, so the check compares the two implementations.
 """
@@ -45,7 +45,7 @@ from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.export.parity import EXAMPLE_BATCH, ExportResult, max_abs_diff, parity_error
 from capsctl.export.source import ExportSource
-from capsctl.layers.routing import dense_routing
+from capsctl.layers import dispatch
 
 __all__ = [
     "FORMATS",
@@ -176,7 +176,7 @@ def _export_onnx(source: ExportSource, tmp: Path, wrapped: nn.Module, example: T
 
     start = time.perf_counter()
     try:
-        with dense_routing(), torch.no_grad():
+        with dispatch.use("dense"), torch.no_grad():
             torch.onnx.export(
                 wrapped,
                 (example,),
@@ -209,7 +209,7 @@ def _export_onnx(source: ExportSource, tmp: Path, wrapped: nn.Module, example: T
 def _export_pt2(source: ExportSource, tmp: Path, wrapped: nn.Module, example: Tensor) -> _Timings:
     start = time.perf_counter()
     try:
-        with dense_routing(), torch.no_grad():
+        with dispatch.use("dense"), torch.no_grad():
             program = torch.export.export(wrapped, (example,), dynamic_shapes=_batch_dim())
         torch.export.save(program, str(tmp))
     except Exception as e:

@@ -1,18 +1,27 @@
 """The capsule layers and routing algorithms of capsctl: what code outside ``capsctl/layers/``
-imports (``from capsctl.layers import ...``), as timm's ``timm/layers/__init__.py`` does.
+imports (``from capsctl.layers import ...``, or the registry from ``capsctl.layers.routers``),
+as timm's ``timm/layers/__init__.py`` is for timm.
 
-- the routing-algorithm interface and registry: :class:`RoutingAlgorithm`, :class:`Capsules`,
-  :class:`LayerPlan`, :class:`NetworkPlan`, :class:`RoutingTrace`, :data:`ROUTERS`,
-  :func:`get_router`, :func:`list_routers`, :func:`make_router`;
-- pose kinds (:data:`PoseKind`, :func:`pose_shape`) and the read-outs a model shares
-  (:class:`PerClassHead`), the channels-last copy of a batch (:func:`images_channels_last`);
-- how the vote-sized passes run: :func:`native_summary` / :func:`native_status` (the compiled
-  loops), :mod:`chunks` (chunk sizes and threads), :func:`routing_flop_tally` (FLOP counts).
+Inside, three floors (dependencies point down, checked by tests/test_house.py):
+
+- ``routers/``: what each routing algorithm is, as readable torch code, one module or package
+  per algorithm (its parameters, primary capsules, capsule layers, procedure, read-out), listed
+  once in :data:`ROUTERS`; the capsule layers they share are the modules of this folder
+  (algorithm.py: the interface; capsules.py, baseline_capsules.py, poses.py);
+- ``passes/``: the vote-sized passes (routed, weighted, gated, EM's moments and quadratic form,
+  the poses' LayerNorm, layout copies): equations, reference, dense and chunked versions;
+- ``backend/``: how a pass runs: :mod:`dispatch` (the one switch), the compiled library and its
+  C++ sources, chunk sizes and threads.
+
+Exported here: the routing-algorithm interface and registry, the capsule layers, pose kinds, the
+read-outs a model shares (:class:`PerClassHead`), the channels-last copy of a batch
+(:func:`images_channels_last`), :mod:`dispatch` (``dispatch.use("dense")`` for export),
+:func:`native_status` / :func:`native_summary` (the compiled loops), :mod:`chunks` (chunk sizes
+and threads) and :func:`routing_flop_tally` (FLOP counts).
 """
 
 from __future__ import annotations
 
-from capsctl.layers import chunks
 from capsctl.layers.algorithm import (
     Capsules,
     LayerPlan,
@@ -21,24 +30,40 @@ from capsctl.layers.algorithm import (
     RoutingAlgorithm,
     RoutingTrace,
 )
-from capsctl.layers.flops import routing_flop_tally
-from capsctl.layers.layout import images_channels_last
-from capsctl.layers.native import native_status, native_summary
+from capsctl.layers.backend import chunks, dispatch
+from capsctl.layers.backend.native import native_status, native_summary
+from capsctl.layers.baseline_capsules import BaselineCapsules
+from capsctl.layers.capsules import (
+    CapsuleLayer,
+    ConvCapsules,
+    FCCapsules,
+    PrimaryCapsules,
+    PrimaryCapsulesWithActivations,
+)
+from capsctl.layers.passes.flops import routing_flop_tally
+from capsctl.layers.passes.layout import images_channels_last
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routers import ROUTERS, get_router, list_routers, make_router
 from capsctl.layers.routers.idpa import PerClassHead
 
 __all__ = [
     "ROUTERS",
+    "BaselineCapsules",
+    "CapsuleLayer",
     "Capsules",
+    "ConvCapsules",
+    "FCCapsules",
     "LayerPlan",
     "LayerRouting",
     "NetworkPlan",
     "PerClassHead",
     "PoseKind",
+    "PrimaryCapsules",
+    "PrimaryCapsulesWithActivations",
     "RoutingAlgorithm",
     "RoutingTrace",
     "chunks",
+    "dispatch",
     "get_router",
     "images_channels_last",
     "list_routers",

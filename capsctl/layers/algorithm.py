@@ -1,7 +1,7 @@
 """The routing-algorithm interface: what every routing algorithm provides to the capsule network.
 
-A routing algorithm is one module in ``capsctl/layers/`` with one subclass of
-:class:`RoutingAlgorithm`, listed once in :data:`capsctl.layers.routers.ROUTERS`. The model
+A routing algorithm is one module (or package) in ``capsctl/layers/routers/`` with one subclass
+of :class:`RoutingAlgorithm`, listed once in :data:`capsctl.layers.routers.ROUTERS`. The model
 (:class:`capsctl.models.capsnet.CapsNet`) is the same for all of them: backbone -> the
 algorithm's primary capsules -> the algorithm's capsule layers (one per entry of the config's
 layer list, then the class capsules) -> the algorithm's read-out. Nothing outside the
@@ -17,10 +17,11 @@ field).
 
 Capsules travel between layers as :class:`Capsules`: poses ``[b, h, w, n, d]`` (grid) or
 ``[b, n, d]`` (flat), and activations ``[b, h, w, n]`` / ``[b, n]`` for the algorithms that have
-them (letters as in capsctl/layers/routing.py). A capsule layer's ``forward(caps, iterations)``
-returns a :class:`LayerRouting`: the parent capsules and, per iteration, the coefficients
-(``[b, h, w, k, l, n, m]`` for conv layers, ``[b, n, m]`` for FC layers; each child's
-coefficients over the parents of a site), the parent poses and the parent activations.
+them (letters as in capsctl/layers/passes/routed.py). A capsule layer's
+``forward(caps, iterations)`` returns a :class:`LayerRouting`: the parent capsules and, per
+iteration, the coefficients (``[b, h, w, k, l, n, m]`` for conv layers, ``[b, n, m]`` for FC
+layers; each child's coefficients over the parents of a site), the parent poses and the parent
+activations.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class NetworkPlan:
 
 
 class RoutingAlgorithm:
-    """Base class of the routing algorithms (one subclass per module of capsctl/layers/).
+    """Base class of the routing algorithms (one subclass per algorithm of
+    capsctl/layers/routers/).
 
     Class attributes every algorithm sets:
 

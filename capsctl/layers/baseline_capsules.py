@@ -1,11 +1,12 @@
-"""The common part of the capsule layers of the baseline routings (dynamic and EM routing).
+"""The common part of the capsule layers of the baseline routings with activations (EM routing,
+self-routing).
 
-Letters as in capsctl/layers/routing.py. As there, every *parent site* (a batch item for an FC
+Letters as in capsctl/layers/passes/routed.py. As there, every *parent site* (a batch item for an FC
 layer, a batch item at one output position for a conv layer) is flattened into ``B``, and every
 child that votes at that site (all child types, and for a conv layer all ``k x k`` window
 offsets) into ``J``. Votes are laid out ``[B, m, J, d]`` so that every sum over children is one
 batched matrix product without copies. The routing procedures themselves live in
-capsctl/layers/dynamic_routing.py and capsctl/layers/em_routing.py.
+capsctl/layers/routers/em/ and capsctl/layers/routers/selfrouting.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from capsctl.layers.layout import window_copy
+from capsctl.layers.passes.layout import window_copy
 
 
 def window_sites(
@@ -27,7 +28,7 @@ def window_sites(
 
 
 class BaselineCapsules(nn.Module):
-    """Weights, child sites and votes shared by the dynamic and EM capsule layers.
+    """Weights, child sites and votes shared by the EM and self-routing capsule layers.
 
     A child pose is an ``a x x`` matrix (``a = 1`` for a vector), a weight ``x x c``, a vote
     ``a x c`` (``d = a*c``): ``V_ij = P_i W_ij``, as in ``capsctl.layers.capsules``. Weights

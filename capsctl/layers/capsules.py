@@ -1,7 +1,7 @@
 """Capsule layers of inverted dot-product attention routing (Tsai et al., ICLR 2020,
 arXiv:2002.04764): primary capsules, convolutional and fully connected capsule layers.
 
-Pose layouts used throughout capsctl (letters as in capsctl/layers/routing.py):
+Pose layouts used throughout capsctl (letters as in capsctl/layers/passes/routed.py):
 
 - grid poses ``[b, h, w, n, d]`` (capsule types last, channel-last like the authors' code),
 - flat poses ``[b, n, d]`` (an FC layer flattens a grid as ``(h, w, n)``).
@@ -25,16 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsctl.layers.layout import permute_rows, to_channels_last, window_copy
-from capsctl.layers.pose_norm import pose_layer_norm
+from capsctl.layers.passes.layout import permute_rows, to_channels_last, window_copy
+from capsctl.layers.passes.pose_norm import pose_layer_norm
+from capsctl.layers.passes.routed import routed_pass
+from capsctl.layers.passes.rows_first import layout_layer_norm, to_rows, to_standard
 from capsctl.layers.poses import PoseKind, pose_shape
-from capsctl.layers.routing import routed_pass
-from capsctl.layers.rows_first import layout_layer_norm, to_rows, to_standard
 
 
 def routed_pass_in_float32(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """:func:`~capsctl.layers.routing.routed_pass` in float32, also under autocast (its buffers
-    and softmax stay float32)."""
+    """:func:`~capsctl.layers.passes.routed.routed_pass` in float32, also under autocast (its
+    buffers and softmax stay float32)."""
     if torch.is_autocast_enabled(x.device.type):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return routed_pass(x.float(), w.float(), p.float(), scale)
@@ -63,7 +63,7 @@ class PrimaryCapsules(nn.Module):
 
     def rows_first(self, feats: Tensor, rows: int) -> Tensor:
         """The poses of :meth:`forward` rows-first, ``[b, a, h, w, n, x]`` for poses of ``a =
-        rows`` rows (the LayerNorm writes them so, capsctl/layers/rows_first.py)."""
+        rows`` rows (the LayerNorm writes them so, capsctl/layers/passes/rows_first.py)."""
         y = self._poses(feats)  # [b, h, w, n, d]
         return layout_layer_norm(y, self.norm, rows_in=False, rows_out=True, rows=rows)
 
@@ -167,7 +167,7 @@ class CapsuleLayer(nn.Module):
     def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
         """First pass, every coefficient ``1/m``, then dropout and LayerNorm: parent poses.
         ``rows_in``/``rows_out``: the children are / the parents come back rows-first (4x4
-        poses, capsctl/layers/rows_first.py)."""
+        poses, capsctl/layers/passes/rows_first.py)."""
         s = self.uniform_sum(to_standard(child) if rows_in else child)
         return self.finish_layout(s, rows_in=False, rows_out=rows_out)
 
@@ -334,8 +334,8 @@ class ConvCapsules(CapsuleLayer):
         the batch (``[b, a, H, W, n, x]``), the output in memory is ``[b, a, h, w, m, c]``, and
         the factor ``1/m`` is folded into the (small) weight. About a quarter faster on a CPU
         than the same convolution channels-first, which needs a larger copy on each side. Both
-        copies move whole pose rows (capsctl/layers/layout.py). The weight ``[k, l, n, x, m, c]``
-        is transposed once into the convolution's layout.
+        copies move whole pose rows (passes/layout.py). The weight ``[k, l, n, x, m, c]`` is
+        transposed once into the convolution's layout.
         """
         y = self._uniform_rows(to_rows(child, self.rows))  # [b, a, h, w, m, c]
         return to_standard(y)  # [b, h, w, m, d]
@@ -357,7 +357,7 @@ class ConvCapsules(CapsuleLayer):
 
     def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
         """The uniform pass rows-first (:meth:`_uniform_rows`), its LayerNorm writing the
-        parents in the layout asked for: no copy of the sums (capsctl/layers/rows_first.py)."""
+        parents in the layout asked for: no copy of the sums (passes/rows_first.py)."""
         rows = child if rows_in else to_rows(child, self.rows)  # [b, a, H, W, n, x]
         s = self._uniform_rows(rows.contiguous())  # [b, a, h, w, m, c]
         return self.finish_layout(s, rows_in=True, rows_out=rows_out)

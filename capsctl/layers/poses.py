@@ -3,7 +3,7 @@
 A pose is a vector of ``d`` entries or, for *matrix poses* (Tsai et al., ICLR 2020,
 arXiv:2002.04764), an ``s x s`` matrix with ``d = s*s``. Every capsule layer writes a child pose
 as an ``a x x`` matrix: ``a = s`` rows for matrix poses, ``a = 1`` row for vectors (letters as in
-capsctl/layers/routing.py). Imports no torch: model configurations use :data:`PoseKind` too.
+capsctl/layers/passes/routed.py). Imports no torch: model configurations use :data:`PoseKind` too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The routing algorithms, by name: one line per algorithm.
 
-Adding an algorithm is one new module (a subclass of
-:class:`capsctl.layers.algorithm.RoutingAlgorithm`) and one entry here.
+Adding an algorithm is one new module or package here (a subclass of
+:class:`capsctl.layers.algorithm.RoutingAlgorithm`) and one entry in :data:`ROUTERS`.
 """
 
 from __future__ import annotations

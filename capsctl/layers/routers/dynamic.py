@@ -1,14 +1,14 @@
 """Dynamic routing (Sabour, Frosst, Hinton, "Dynamic routing between capsules", NeurIPS 2017,
 arXiv:1710.09829): routing by agreement with squashed vector capsules.
 
-Procedure 1 of the paper, per parent site (letters as in capsctl/layers/routing.py): ``b_ij =
+Procedure 1 of the paper, per parent site (letters as in capsctl/layers/passes/routed.py): ``b_ij =
 0``; each iteration ``c_ij = softmax_j(b_ij)`` over the parents ``j`` of the site, ``s_j =
 sum_i c_ij u_hat_ij``, ``v_j = squash(s_j)`` (eq. 1), and ``b_ij += <u_hat_ij, v_j>`` before
 the next iteration. 3 iterations (the paper's); gradients flow through every iteration.
 
 Since ``b_ij`` after iteration ``t`` is ``<u_hat_ij, v_j^1 + ... + v_j^t>``, each iteration
 after the first is one routed pass of inverted dot-product attention
-(capsctl/layers/routing.py) with the running sum of the parent poses as its query, scale 1 and
+(capsctl/layers/passes/routed.py) with the running sum of the parent poses as its query, scale 1 and
 no LayerNorm: the votes are never stored (chunked, recomputed in the backward pass), and the
 first iteration (uniform coefficients ``1/m``) is one convolution or matrix product. Conv
 layers (the paper has none) route every ``k x k`` window on its own, normalizing over the

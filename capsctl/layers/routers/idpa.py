@@ -3,7 +3,7 @@ arXiv:2002.04764), the method of the paper: each child's votes are weighted by a
 the parents of the (scaled) agreement between the vote and the parent's pose of the previous
 iteration; parent poses are LayerNorm-ed.
 
-Layers: capsctl/layers/capsules.py (the routed pass: capsctl/layers/routing.py). Schedules:
+Layers: capsctl/layers/capsules.py (the routed pass: capsctl/layers/passes/routed.py). Schedules:
 ``sequential`` (each layer runs its T iterations before the next starts) and ``concurrent``
 (the paper's: iteration 1 is one uniform bottom-up pass; every later iteration updates all
 layers at once from the poses of the previous iteration).
@@ -18,7 +18,6 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from capsctl.layers import native
 from capsctl.layers.algorithm import (
     Capsules,
     LayerPlan,
@@ -27,9 +26,9 @@ from capsctl.layers.algorithm import (
     RoutingAlgorithm,
     RoutingTrace,
 )
+from capsctl.layers.backend.dispatch import choose
 from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules, PrimaryCapsules
-from capsctl.layers.routing import _DENSE
-from capsctl.layers.rows_first import SIDE
+from capsctl.layers.passes.rows_first import SIDE
 
 
 @dataclass
@@ -175,7 +174,7 @@ def rows_first_plan(
     primary: nn.Module, layers: Sequence[nn.Module], big_t: int, feats: Tensor
 ) -> list[bool] | None:
     """For the concurrent schedule without a trace: which poses (the primary capsules', then
-    each layer's output) travel rows-first (capsctl/layers/rows_first.py), or None where none
+    each layer's output) travel rows-first (capsctl/layers/passes/rows_first.py), or None where none
     would. Poses go rows-first when their readers are uniform passes and FC routed passes
     only: a conv layer's routed pass reads windows of standard poses, and the query of a routed
     pass is standard. 4x4 poses, LayerNorm, float32 on a CPU only (elsewhere the layout copies
@@ -186,7 +185,7 @@ def rows_first_plan(
         return None
     if not all(isinstance(m.norm, nn.LayerNorm) for m in [primary, *layers]):
         return None
-    if _DENSE["on"] or not native.usable(feats, primary.conv.weight):
+    if choose(feats, primary.conv.weight).backend != "native":
         return None  # export's and compile's plain ops, other devices and dtypes
     big_l = len(layers)
     rows = [

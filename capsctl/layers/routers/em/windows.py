@@ -1,0 +1,150 @@
+"""A conv child's entries across every window it falls in, for EM routing's E-step.
+
+In a conv capsule layer each child ``[b, H, W, n]`` votes at up to ``k*k`` parent sites; the
+paper (Hinton, Sabour, Frosst, ICLR 2018, Procedure 1) normalizes a child's assignments over
+every parent it votes for, i.e. across those sites. :class:`WindowGrid` gathers, for every
+entry ``[B, J]`` of the site layout (capsctl/layers/baseline_capsules.py), a sum or a max over
+all entries of the same child; :func:`softmax_over_parents` is the softmax built on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from capsctl.layers.baseline_capsules import window_sites
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowGrid:
+    """Where the ``J = k*k*n`` entries of every conv site come from: child grid
+    ``[b, H, W, n]``, sites ``[b, h, w]``, kernel ``k``, stride. Gathers, for every entry, a
+    reduction over all entries of the same child (every window it falls in)."""
+
+    batch: int
+    height: int
+    width: int
+    types: int
+    out_height: int
+    out_width: int
+    kernel: int
+    stride: int
+
+    @classmethod
+    def of(cls, child_act: Tensor, kernel: int, stride: int) -> WindowGrid:
+        """From the child activations ``[b, H, W, n]``."""
+        b, hh, ww, n = child_act.shape
+        ho, wo = (hh - kernel) // stride + 1, (ww - kernel) // stride + 1
+        return cls(b, hh, ww, n, ho, wo, kernel, stride)
+
+    def sum_overwindow_sites(self, x: Tensor) -> Tensor:
+        """``x[B, J]`` -> ``[B, J]``: every entry becomes the sum of its child's entries."""
+        b, h, w, k, n = self.batch, self.out_height, self.out_width, self.kernel, self.types
+        cols = x.reshape(b, h, w, k, k, n).permute(0, 5, 3, 4, 1, 2)  # [b, n, k, l, h, w]
+        cols = cols.reshape(b, n * k * k, h * w)  # [b, (n, k, l), (h, w)]
+        grid = F.fold(
+            cols, (self.height, self.width), kernel_size=k, stride=self.stride
+        )  # [b, n, H, W]
+        return window_sites(grid.permute(0, 2, 3, 1), k, self.stride)[0]  # [B, J]
+
+    def max_overwindow_sites(self, x: Tensor) -> Tensor:
+        """``x[B, J]`` -> ``[B, J]``: every entry becomes the max of its child's entries (no
+        gradient)."""
+        b, h, w, k, n, s = (
+            self.batch,
+            self.out_height,
+            self.out_width,
+            self.kernel,
+            self.types,
+            self.stride,
+        )
+        with torch.no_grad():
+            win = x.reshape(b, h, w, k, k, n)  # [b, h, w, k, l, n]
+            grid = x.new_full((b, self.height, self.width, n), -math.inf)  # [b, H, W, n]
+            for ky in range(k):
+                for kx in range(k):
+                    part = grid[:, ky : ky + s * (h - 1) + 1 : s, kx : kx + s * (w - 1) + 1 : s]
+                    part.copy_(torch.maximum(part, win[:, :, :, ky, kx]))  # [b, h, w, n]
+            return window_sites(grid, k, s)[0]  # [B, J]
+
+
+class _SoftmaxOverParents(torch.autograd.Function):
+    """``z[B, m, J]`` -> ``R = exp(z) / sum exp(z)``, the sum over every entry of the same
+    child (all windows it falls in, all parent types): a softmax over all the parents each
+    child votes for. Stabilized by each child's maximum. Saves only ``R`` for the backward
+    (``dz = R * (g - sum_child R g)``), as ``torch.softmax`` does."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, grid: WindowGrid) -> Tensor:  # type: ignore[override]
+        top = grid.max_overwindow_sites(z.amax(1))  # [B, J]
+        r = torch.exp(z - top.unsqueeze(1))  # [B, m, J]
+        r = r / grid.sum_overwindow_sites(r.sum(1)).unsqueeze(1)  # [B, m, J]
+        ctx.save_for_backward(r)
+        ctx.grid = grid
+        return r
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (r,) = ctx.saved_tensors
+        rg = r * grad  # [B, m, J]
+        total = ctx.grid.sum_overwindow_sites(rg.sum(1))  # [B, J]
+        return rg - r * total.unsqueeze(1), None  # [B, m, J]
+
+
+def softmax_over_parents(z: Tensor, grid: WindowGrid) -> Tensor:
+    """``z[B, m, J]`` -> ``R[B, m, J]``, normalized over every parent each child votes for."""
+    out: Tensor = _SoftmaxOverParents.apply(z, grid)
+    return out
+
+
+class EStep(torch.autograd.Function):
+    """EM routing's E-step from the quadratic form of the votes, in place:
+    ``quad[B, J, m]``, ``c[B, 1, m]`` -> ``R[B, J, m]`` written over ``quad``, the softmax of
+    ``z = c - quad / 2`` over every parent each child votes for (``grid``; over the ``m``
+    parent types of its site when ``grid`` is None). ``c`` holds the rest of
+    ``log a_j + log p_ij`` (``log a_j``, the Gaussian's normalizer and the constant part of the
+    quadratic form), one value per parent. Saves only ``R``; its backward is
+    ``dz = R * (g - sum_child R g)``, ``dc = sum_J dz``, ``dquad = -dz / 2``. The same values
+    as building ``z`` and calling :func:`softmax_over_parents` or ``torch.softmax``, without
+    their assignment-sized temporaries (about 230 MB each in cifar10-em-simple's first conv
+    capsule layer at batch 128). ``quad`` must be a tensor nothing else uses (the output of
+    :class:`~capsctl.layers.passes.em_moments.VoteQuad`). Layout: site, child, parent type (as
+    :mod:`capsctl.layers.passes.em_moments`)."""
+
+    @staticmethod
+    def forward(ctx, quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:  # type: ignore[override]
+        r = quad.mul_(-0.5).add_(c)  # [B, J, m]; z
+        if grid is None:
+            r.sub_(r.amax(-1, keepdim=True)).exp_()  # [B, J, m]
+            r.div_(r.sum(-1, keepdim=True))  # [B, J, m]
+        else:
+            r.sub_(grid.max_overwindow_sites(r.amax(-1)).unsqueeze(-1)).exp_()  # [B, J, m]
+            r.div_(grid.sum_overwindow_sites(r.sum(-1)).unsqueeze(-1))  # [B, J, m]
+        ctx.mark_dirty(quad)
+        ctx.save_for_backward(r)
+        ctx.grid = grid
+        return r
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        (r,) = ctx.saved_tensors
+        dz = r * grad  # [B, J, m]
+        total = dz.sum(-1)  # [B, J]
+        if ctx.grid is not None:
+            total = ctx.grid.sum_overwindow_sites(total)  # [B, J]
+        dz.addcmul_(r, total.unsqueeze(-1), value=-1.0)  # R (g - sum_child R g)
+        dc = dz.sum(1, keepdim=True)  # [B, 1, m]
+        return dz.mul_(-0.5), dc, None  # [B, J, m], [B, 1, m]
+
+
+def e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
+    """``R[B, J, m]`` over ``quad[B, J, m]`` (consumed) and ``c[B, 1, m]`` (:class:`EStep`)."""
+    out: Tensor = EStep.apply(quad, c, grid)
+    return out

@@ -1,0 +1,84 @@
+"""capsctl/layers/backend/dispatch.py: the one switch that says which implementation of a pass
+runs, and why no faster one does."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from capsctl.layers import dispatch, native_status
+from capsctl.layers.backend import native
+
+
+def test_the_backends_fastest_first() -> None:
+    assert dispatch.BACKENDS == ("native", "chunked", "dense")
+
+
+def test_float32_on_a_cpu_runs_the_compiled_loops_where_they_are_built() -> None:
+    choice = dispatch.choose(torch.zeros(2), torch.zeros(3))
+    if native.loaded() is None:
+        assert choice.backend == "chunked" and native_status() in choice.reason
+    else:
+        assert choice == dispatch.Choice("native")
+
+
+def test_other_dtypes_run_the_chunked_torch_code_and_say_why() -> None:
+    choice = dispatch.choose(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    assert choice.backend == "chunked" and "float32 tensors on a CPU" in choice.reason
+
+
+def test_use_dense_wins_and_says_why() -> None:
+    with dispatch.use("chunked"), dispatch.use("dense"):
+        choice = dispatch.choose(torch.zeros(2))
+    assert choice.backend == "dense" and 'use("dense")' in choice.reason
+
+
+def test_use_chunked_and_its_sites_end_with_the_block() -> None:
+    before = dispatch.choose(torch.zeros(2))
+    with dispatch.use("chunked", sites=3):
+        choice = dispatch.choose(torch.zeros(2))
+        assert choice == dispatch.Choice("chunked", 'inside use("chunked")', 3)
+        with dispatch.use("chunked"):
+            assert dispatch.choose(torch.zeros(2)).sites == 3
+    assert dispatch.choose(torch.zeros(2)) == before
+
+
+def test_use_refuses_what_it_cannot_pick() -> None:
+    with pytest.raises(ValueError, match="'dense' or 'chunked'"), dispatch.use("native"):
+        pass
+    with pytest.raises(ValueError, match="chunked backend only"), dispatch.use("dense", sites=2):
+        pass
+
+
+def test_blocks_in_two_threads_close_in_any_order() -> None:
+    entered, leave = threading.Barrier(2), threading.Event()
+
+    def block() -> None:
+        with dispatch.use("chunked"):
+            entered.wait()
+            leave.wait()
+
+    thread = threading.Thread(target=block)
+    thread.start()
+    with dispatch.use("chunked"):
+        entered.wait()
+    # the other thread's block is still open: the torch code runs
+    assert dispatch.choose(torch.zeros(2)).reason == 'inside use("chunked")'
+    leave.set()
+    thread.join()
+    assert dispatch.choose(torch.zeros(2)).reason != 'inside use("chunked")'
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")
+def test_tracing_is_seen_and_tracing_runs_no_compiled_loop() -> None:
+    seen: list[tuple[bool, str]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append((dispatch.tracing(), dispatch.choose(x).backend))
+        return x * 2
+
+    assert not dispatch.tracing()
+    torch.jit.trace(f, torch.zeros(2), check_trace=False)
+    assert seen == [(True, "chunked")]
