@@ -9,28 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from tiny import tiny_args
 
-from capsctl.cli import main
-
 TINY = [*tiny_args(4), "--epochs", "1"]
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("run")
-    main(["train", "--preset", "quickstart", *TINY, "--out", str(out), "--overwrite", "--json"])
-    return out
 
 
 def test_help_does_not_import_torch() -> None:
@@ -44,7 +26,7 @@ def test_help_does_not_import_torch() -> None:
 
 
 def test_models_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "models", "cifar10-caps*", "--json")
+    code, out, _ = run_cli(capsys, ["models", "cifar10-caps*", "--json"])
     assert code == 0
     doc = json.loads(out)
     names = {m["name"]: m for m in doc["models"]}
@@ -53,12 +35,12 @@ def test_models_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_models_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "models", "resnet18")
+    code, out, _ = run_cli(capsys, ["models", "resnet18"])
     assert code == 0 and "11,173,962" in out
 
 
 def test_presets_lists_required(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "presets", "--json")
+    code, out, _ = run_cli(capsys, ["presets", "--json"])
     names = {p["name"] for p in json.loads(out)["presets"]}
     assert {
         "cifar10-caps",
@@ -72,38 +54,43 @@ def test_presets_lists_required(capsys: pytest.CaptureFixture[str]) -> None:
     } <= names
 
 
-def test_train_json_and_run_folder(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_json_and_run_folder(
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for f in ("best.safetensors", "last.safetensors", "metrics.jsonl", "preset.yaml"):
-        assert (tiny_run / f).exists()
-    doc = json.loads((tiny_run / "results.json").read_text())
+        assert (tiny_trained_run / f).exists()
+    doc = json.loads((tiny_trained_run / "results.json").read_text())
     assert doc["epochs_done"] == 1 and doc["test"]["count"] == 2000
 
 
-def test_eval_json_is_the_only_stdout(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(
-        capsys, "eval", str(tiny_run / "best.safetensors"), "--json", "--device", "cpu"
+def test_eval_json_is_the_only_stdout(
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_cli(
+        capsys, ["eval", str(tiny_trained_run / "best.safetensors"), "--json", "--device", "cpu"]
     )
     assert code == 0
     doc = json.loads(out)  # would fail if anything else were printed on stdout
     assert 0 <= doc["accuracy"] <= 1 and doc["count"] == 2000 and len(doc["confusion"]) == 10
 
 
-def test_eval_table(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(
-        capsys, "eval", str(tiny_run / "best.safetensors"), "--split", "val", "--device", "cpu"
+def test_eval_table(tiny_trained_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(
+        capsys,
+        ["eval", str(tiny_trained_run / "best.safetensors"), "--split", "val", "--device", "cpu"],
     )
     assert code == 0 and "top-1" in out and "confusion" in out and "Ankle" in out
 
 
 def test_resume_continues_a_run(
-    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     import shutil
 
     run_dir = tmp_path / "r"
-    shutil.copytree(tiny_run, run_dir)
-    code, out, err = run(
-        capsys, "train", "--resume", str(run_dir / "last.safetensors"), "--epochs", "2", "--json"
+    shutil.copytree(tiny_trained_run, run_dir)
+    code, out, err = run_cli(
+        capsys, ["train", "--resume", str(run_dir / "last.safetensors"), "--epochs", "2", "--json"]
     )
     assert code == 0, err
     assert json.loads(out)["epochs_done"] == 2
@@ -131,7 +118,7 @@ def test_resume_continues_a_run(
 def test_errors_are_one_line(
     capsys: pytest.CaptureFixture[str], args: list[str], code: int, needle: str
 ) -> None:
-    got, out, err = run(capsys, *args)
+    got, out, err = run_cli(capsys, [*args])
     assert got == code
     assert needle in err
     assert len(err.strip().splitlines()) == 1, err
@@ -144,7 +131,7 @@ def test_corrupt_checkpoint_is_one_line(
 ) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(content)
-    code, _, err = run(capsys, "eval", str(bad))
+    code, _, err = run_cli(capsys, ["eval", str(bad)])
     assert code == 1
     assert len(err.strip().splitlines()) == 1 and "bad.safetensors" in err
 
@@ -160,27 +147,33 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert res.returncode != 0 and "Traceback" in res.stderr
 
 
-def test_refuses_an_existing_run(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "train", "--preset", "quickstart", *TINY, "--out", str(tiny_run))
+def test_refuses_an_existing_run(
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run_cli(
+        capsys, ["train", "--preset", "quickstart", *TINY, "--out", str(tiny_trained_run)]
+    )
     assert code == 2 and "already holds a run" in err
 
 
 def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
-        "bench",
-        "mnist-caps",
-        "--batch-size",
-        "2",
-        "--iters",
-        "1",
-        "--warmup",
-        "0",
-        "--routing",
-        "sequential",
-        "--iterations",
-        "3",
-        "--json",
+        [
+            "bench",
+            "mnist-caps",
+            "--batch-size",
+            "2",
+            "--iters",
+            "1",
+            "--warmup",
+            "0",
+            "--routing",
+            "sequential",
+            "--iterations",
+            "3",
+            "--json",
+        ],
     )
     assert code == 0
     row = json.loads(out)["rows"][0]
@@ -193,25 +186,27 @@ def test_bench_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_inspect_routing_json_dump_png(
-    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     pytest.importorskip("matplotlib")
     dump = tmp_path / "coeffs.safetensors"
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys,
-        "inspect-routing",
-        str(tiny_run / "best.safetensors"),
-        "--indices",
-        "0,5",
-        "--iterations",
-        "3",
-        "--routing",
-        "sequential",
-        "--json",
-        "--dump",
-        str(dump),
-        "--png",
-        str(tmp_path / "png"),
+        [
+            "inspect-routing",
+            str(tiny_trained_run / "best.safetensors"),
+            "--indices",
+            "0,5",
+            "--iterations",
+            "3",
+            "--routing",
+            "sequential",
+            "--json",
+            "--dump",
+            str(dump),
+            "--png",
+            str(tmp_path / "png"),
+        ],
     )
     assert code == 0, err
     doc = json.loads(out)
@@ -221,33 +216,37 @@ def test_inspect_routing_json_dump_png(
 
 
 def test_export_safetensors_and_onnx(
-    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out_file = tmp_path / "release.safetensors"
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys,
-        "export",
-        str(tiny_run / "best.safetensors"),
-        "--format",
-        "safetensors",
-        "--out",
-        str(out_file),
-        "--json",
+        [
+            "export",
+            str(tiny_trained_run / "best.safetensors"),
+            "--format",
+            "safetensors",
+            "--out",
+            str(out_file),
+            "--json",
+        ],
     )
     assert code == 0, err
     assert json.loads(out)["max_abs_diff"] == 0.0
     pytest.importorskip("onnxruntime")
-    code, out, err = run(
+    code, out, err = run_cli(
         capsys,
-        "export",
-        str(tiny_run / "best.safetensors"),
-        "--format",
-        "onnx",
-        "--out",
-        str(tmp_path / "m.onnx"),
-        "--check-images",
-        "5",
-        "--json",
+        [
+            "export",
+            str(tiny_trained_run / "best.safetensors"),
+            "--format",
+            "onnx",
+            "--out",
+            str(tmp_path / "m.onnx"),
+            "--check-images",
+            "5",
+            "--json",
+        ],
     )
     assert code == 0, err
     doc = json.loads(out)
@@ -255,16 +254,18 @@ def test_export_safetensors_and_onnx(
 
 
 def test_export_to_unwritable_path(
-    tiny_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    tiny_trained_run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
-        "export",
-        str(tiny_run / "best.safetensors"),
-        "--format",
-        "safetensors",
-        "--out",
-        str(tmp_path / "no" / "such" / "dir" / "x.safetensors"),
+        [
+            "export",
+            str(tiny_trained_run / "best.safetensors"),
+            "--format",
+            "safetensors",
+            "--out",
+            str(tmp_path / "no" / "such" / "dir" / "x.safetensors"),
+        ],
     )
     assert code in (1, 2) and len(err.strip().splitlines()) == 1
 
@@ -272,14 +273,14 @@ def test_export_to_unwritable_path(
 def test_compare_json_and_suite(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    code, out, err = run(capsys, "compare", "caps", "resnet18", "--json")
+    code, out, err = run_cli(capsys, ["compare", "caps", "resnet18", "--json"])
     assert code == 0, err
     doc = json.loads(out)
     rows = {r["name"]: r for r in doc["models"]}
     assert rows["cifar10-caps"]["params"]["total"] == 1_828_817
     assert rows["resnet18"]["params"]["total"] == 11_173_962
     assert any("fewer parameters" in line for line in doc["footer"])
-    code, out, _ = run(capsys, "compare", "caps", "resnet18", "--csv")
+    code, out, _ = run_cli(capsys, ["compare", "caps", "resnet18", "--csv"])
     assert code == 0 and out.splitlines()[0].startswith("name,")
 
     import capsctl.compare as compare_mod
@@ -292,11 +293,11 @@ def test_compare_json_and_suite(
         return real(["cifar10-caps-simple"], **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(compare_mod, "compare", spy)
-    code, _, err = run(capsys, "compare", "--suite", "paper", "--json")
+    code, _, err = run_cli(capsys, ["compare", "--suite", "paper", "--json"])
     assert code == 0, err
     assert seen[0] == compare_mod.SUITES["paper"]
     assert {"cifar10-dynamic", "cifar10-em", "cifar100-cnn-simple", "resnet18"} <= set(seen[0])
-    code, _, err = run(capsys, "compare", "--suite", "nope")
+    code, _, err = run_cli(capsys, ["compare", "--suite", "nope"])
     assert code == 2 and "unknown" in err
 
 
@@ -305,7 +306,7 @@ def test_a_bad_chunk_size_in_the_environment_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "lots")
-    code, _, err = run(capsys, "bench", "mnist-caps", "--batch-size", "2", "--iters", "1")
+    code, _, err = run_cli(capsys, ["bench", "mnist-caps", "--batch-size", "2", "--iters", "1"])
     assert code == 2
     assert err.strip().splitlines() == [err.strip()] and "CAPSCTL_CHUNK_MIB" in err
 
@@ -317,14 +318,14 @@ def test_export_refuses_an_existing_file_unless_overwrite(
     last = tiny_checkpoint(tmp_path / "last.safetensors")
     before = last.read_bytes()
     args = ["export", str(ckpt), "--format", "safetensors", "--out", str(last)]
-    code, _, err = run(capsys, *args)
+    code, _, err = run_cli(capsys, [*args])
     assert code == 2 and str(last) in err and "--overwrite" in err
     assert len(err.strip().splitlines()) == 1 and last.read_bytes() == before
-    code, _, err = run(capsys, *args, "--overwrite")
+    code, _, err = run_cli(capsys, [*args, "--overwrite"])
     assert code == 0, err
     assert last.read_bytes() != before
-    code, _, err = run(
-        capsys, "export", str(ckpt), "-f", "safetensors", "-o", str(ckpt), "--overwrite"
+    code, _, err = run_cli(
+        capsys, ["export", str(ckpt), "-f", "safetensors", "-o", str(ckpt), "--overwrite"]
     )
     assert code == 2 and str(ckpt) in err and "pick another output path" in err
 
@@ -344,7 +345,7 @@ def test_bracketed_missing_paths_are_one_verbatim_line(
     capsys: pytest.CaptureFixture[str], name: str, command: str
 ) -> None:
     args = [command, name, *(["img.png"] if command == "predict" else [])]
-    code, _, err = run(capsys, *args)
+    code, _, err = run_cli(capsys, [*args])
     assert code == 2 and f"error: {name}: no such file" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -358,16 +359,18 @@ def test_bracketed_paths_and_class_names_show_as_typed(
     ckpt = tiny_checkpoint(folder / "best[1].safetensors", classes=BRACKETED_CLASSES)
     (Path("imgs[x]")).mkdir()
     image_module.new("L", (28, 28), 128).save("imgs[x]/a[red]b.png")
-    code, out, err = run(capsys, "predict", str(ckpt), "imgs[x]", "-k", "10", "--device", "cpu")
+    code, out, err = run_cli(
+        capsys, ["predict", str(ckpt), "imgs[x]", "-k", "10", "--device", "cpu"]
+    )
     assert code == 0, err
     assert "exp[final]/best[1].safetensors" in out and "imgs[x]/a[red]b.png" in out
     for name in BRACKETED_CLASSES:
         assert name in out
-    code, out, err = run(capsys, "eval", str(ckpt), "--device", "cpu")
+    code, out, err = run_cli(capsys, ["eval", str(ckpt), "--device", "cpu"])
     assert code == 0, err
     assert out.startswith("exp[final]/best[1].safetensors  epoch 1")
     target = folder / "rel[2].safetensors"
-    code, out, err = run(capsys, "export", str(ckpt), "-f", "safetensors", "-o", str(target))
+    code, out, err = run_cli(capsys, ["export", str(ckpt), "-f", "safetensors", "-o", str(target)])
     assert code == 0, err
     assert f"wrote {target}" in out and f"{target}.json" in out
 
@@ -416,7 +419,9 @@ def test_predict_table_keeps_classes_and_scores_with_long_paths(
         image_module.new("L", (28, 28), 40 * i).save(folder / f"image-number-{i}.png")
     ckpt = tiny_checkpoint()
     terminal_width(columns)
-    code, out, err = run(capsys, "predict", str(ckpt), str(folder), "-k", "2", "--device", "cpu")
+    code, out, err = run_cli(
+        capsys, ["predict", str(ckpt), str(folder), "-k", "2", "--device", "cpu"]
+    )
     assert code == 0, err
     lines = out.splitlines()
     assert all(len(line) <= columns for line in lines)
@@ -435,11 +440,11 @@ def test_eval_confusion_table_keeps_every_number_and_class(
     tiny_checkpoint, capsys: pytest.CaptureFixture[str], terminal_width, columns: int
 ) -> None:
     ckpt = tiny_checkpoint()
-    code, out, err = run(capsys, "eval", str(ckpt), "--device", "cpu", "--json")
+    code, out, err = run_cli(capsys, ["eval", str(ckpt), "--device", "cpu", "--json"])
     assert code == 0, err
     doc = json.loads(out)
     terminal_width(columns)
-    code, out, err = run(capsys, "eval", str(ckpt), "--device", "cpu")
+    code, out, err = run_cli(capsys, ["eval", str(ckpt), "--device", "cpu"])
     assert code == 0, err
     lines = out.splitlines()
     assert all(len(line) <= columns for line in lines)

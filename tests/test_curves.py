@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny import tiny_args
+from conftest import run_cli
 
 from capsctl import curves
 from capsctl.cli import main
@@ -32,16 +33,6 @@ MATPLOTLIB_MODULES = (
     "matplotlib.lines",
     "matplotlib.ticker",
 )
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def record(epoch: int, scale: float = 1.0, val: bool = True) -> dict[str, Any]:
@@ -287,7 +278,7 @@ def test_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 def test_plot_cli_default_out_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     run_dir = write_run(tmp_path, "r")
-    code, out, _ = run(capsys, "plot", str(run_dir), "--metric", "val_accuracy", "-m", "lr")
+    code, out, _ = run_cli(capsys, ["plot", str(run_dir), "--metric", "val_accuracy", "-m", "lr"])
     assert code == 0 and f"wrote {run_dir / 'curves.png'}" in out
     png_size(run_dir / "curves.png")
 
@@ -301,7 +292,7 @@ def test_plot_cli_two_runs_json(
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)  # several runs: the default --out is ./curves.png
-    code, out, _ = run(capsys, "plot", str(a), str(b), "--json")
+    code, out, _ = run_cli(capsys, ["plot", str(a), str(b), "--json"])
     assert code == 0
     doc = json.loads(out)
     assert doc["out"] == "curves.png"
@@ -320,14 +311,14 @@ def test_plot_cli_usage_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], code: int, needle: str
 ) -> None:
     run_dir = write_run(tmp_path, "r")
-    got, out, err = run(capsys, "plot", str(run_dir), *args)
+    got, out, err = run_cli(capsys, ["plot", str(run_dir), *args])
     assert got == code and needle in err and out == ""
     assert len(err.strip().splitlines()) == 1
 
 
 def test_plot_cli_missing_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
-    code, _, err = run(capsys, "plot", str(tmp_path))
+    code, _, err = run_cli(capsys, ["plot", str(tmp_path)])
     assert code == 1 and "has no metrics.jsonl" in err and "capsctl train" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -392,22 +383,12 @@ def test_without_tensorboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("run")
-    main(
-        [
-            "train",
-            "--preset",
-            "quickstart",
-            *tiny_args(2),
-            "--epochs",
-            "2",
-            "--out",
-            str(out),
-            "--overwrite",
-            "--json",
-        ]
-    )
+def tiny_run(tiny_trained_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the session's tiny run (tests/conftest.py) resumed for a second epoch: two
+    epochs of curves."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    shutil.copytree(tiny_trained_run, out)
+    main(["train", "--resume", str(out / "last.safetensors"), "--epochs", "2", "--json"])
     return out
 
 
@@ -430,12 +411,12 @@ EVAL_HEADER = (
 
 def test_eval_csv(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = str(tiny_run / "best.safetensors")
-    code, out, err = run(capsys, "eval", ckpt, "--csv", "--device", "cpu", "--split", "val")
+    code, out, err = run_cli(capsys, ["eval", ckpt, "--csv", "--device", "cpu", "--split", "val"])
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == EVAL_HEADER and len(lines) == 2
     row = next(csv.DictReader(io.StringIO(out)))
-    code, js, _ = run(capsys, "eval", ckpt, "--json", "--device", "cpu", "--split", "val")
+    code, js, _ = run_cli(capsys, ["eval", ckpt, "--json", "--device", "cpu", "--split", "val"])
     doc = json.loads(js)
     assert row["model"] == "quickstart" and row["img_size"] == "28"
     assert float(row["top1"]) == pytest.approx(100 * doc["accuracy"], abs=1e-4)
@@ -454,7 +435,9 @@ def test_eval_csv(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_eval_csv_and_json_exclude_each_other(
     tiny_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = run(capsys, "eval", str(tiny_run / "best.safetensors"), "--csv", "--json")
+    code, out, err = run_cli(
+        capsys, ["eval", str(tiny_run / "best.safetensors"), "--csv", "--json"]
+    )
     assert code == 2 and "--json and --csv exclude each other" in err and out == ""
 
 
@@ -493,9 +476,9 @@ def test_plot_cli_overwrite_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
     run_dir = write_run(tmp_path, "one")
     out = tmp_path / "c.png"
     out.write_bytes(b"precious")
-    code, _, err = run(capsys, "plot", str(run_dir), "--out", str(out))
+    code, _, err = run_cli(capsys, ["plot", str(run_dir), "--out", str(out)])
     assert code == 2 and str(out) in err and "--overwrite" in err
     assert len(err.strip().splitlines()) == 1 and out.read_bytes() == b"precious"
-    code, _, err = run(capsys, "plot", str(run_dir), "--out", str(out), "--overwrite")
+    code, _, err = run_cli(capsys, ["plot", str(run_dir), "--out", str(out), "--overwrite"])
     assert code == 0, err
     assert out.read_bytes().startswith(PNG_SIGNATURE)

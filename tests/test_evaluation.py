@@ -6,21 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
-from capsctl.cli import main
 from capsctl.data import download as dl
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.evaluation import evaluate_checkpoint
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def write_idx(path: Path, arr: np.ndarray) -> None:
@@ -47,7 +37,9 @@ def test_the_test_split_needs_only_the_test_files(
     ckpt = tiny_checkpoint(dataset="mnist")
     result, _ = evaluate_checkpoint(ckpt, data_dir=str(data), device="cpu")
     assert result.split == "test" and result.count == 30 and len(result.classes) == 10
-    code, out, err = run(capsys, "eval", str(ckpt), "--data-dir", str(data), "--device", "cpu")
+    code, out, err = run_cli(
+        capsys, ["eval", str(ckpt), "--data-dir", str(data), "--device", "cpu"]
+    )
     assert code == 0, err
     assert "test split of mnist: 30 images" in out
     with pytest.raises(CapsctlError, match="train-images-idx3-ubyte"):  # val is held out of train
@@ -62,7 +54,7 @@ def test_batch_sizes_below_one_are_usage_errors(
     ckpt = str(tiny_checkpoint())
     target = {"eval": [ckpt], "predict": [ckpt, "img.png"], "bench": ["resnet18"]}
     args = [command, *target.get(command, ["caps"]), "--batch-size", size]
-    code, _, err = run(capsys, *args)
+    code, _, err = run_cli(capsys, [*args])
     assert code == 2 and "--batch-size" in err and size in err, err
     assert "must be >= 1" in err and len(err.strip().splitlines()) == 1
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import save_file
 from tiny import tiny_args
 
@@ -26,34 +27,10 @@ from capsctl.cli import main
 TINY = tiny_args(4)
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.fixture(scope="module")
-def good_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("good")
-    main(
-        [
-            "train",
-            "--preset",
-            "quickstart",
-            *TINY,
-            "--epochs",
-            "1",
-            "--out",
-            str(out),
-            "--overwrite",
-            "--json",
-        ]
-    )
-    return out / "best.safetensors"
+def good_ckpt(tiny_trained_run: Path) -> Path:
+    """A good checkpoint: the session's tiny run's (tests/conftest.py)."""
+    return tiny_trained_run / "best.safetensors"
 
 
 def _write(path: Path, data: bytes) -> Path:

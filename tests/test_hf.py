@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from conftest import run_cli
 from safetensors.torch import load_file, save_file
-from tiny import tiny_args
 
 import capsctl
 from capsctl.checkpoint import (
@@ -410,35 +410,26 @@ def test_parity_failure_writes_nothing(
 
 
 @pytest.fixture(scope="module")
-def trained_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A real (tiny) training run on the bundled Fashion-MNIST subset, exported with the CLI."""
-    run = tmp_path_factory.mktemp("run")
-    args = ["train", "--preset", "quickstart", *tiny_args(4), "--epochs", "1"]
-    main([*args, "--out", str(run), "--overwrite", "--json"])
-    return run / "best.safetensors", run / "quickstart-caps"
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+def trained_folder(
+    tiny_trained_run: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """A real (tiny) training run on the bundled Fashion-MNIST subset (the session's, see
+    tests/conftest.py) and the model folder to export it to with the CLI."""
+    folder = tmp_path_factory.mktemp("exported") / "quickstart-caps"
+    return tiny_trained_run / "best.safetensors", folder
 
 
 def test_cli_export_hf_and_eval_the_folder(
     trained_folder, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt, folder = trained_folder
-    code, out, err = run_cli(capsys, "export", str(ckpt), "--format", "hf", "--out", str(folder))
+    code, out, err = run_cli(capsys, ["export", str(ckpt), "--format", "hf", "--out", str(folder)])
     assert code == 0, err
     assert f"wrote model folder {folder} (model.safetensors, config.json, README.md" in out
     assert "max |folder - checkpoint| = 0.00e+00" in out
 
     stored = read_metadata(ckpt)["test"]
-    code, out, err = run_cli(capsys, "eval", str(folder), "--json", "--device", "cpu")
+    code, out, err = run_cli(capsys, ["eval", str(folder), "--json", "--device", "cpu"])
     assert code == 0, err
     doc = json.loads(out)
     assert doc["count"] == stored["count"] == 2000
@@ -460,8 +451,10 @@ def test_cli_export_onnx_from_a_folder(
     empty.mkdir()
     code, _, err = run_cli(
         capsys,
-        *("export", str(folder), "--format", "onnx", "--out", str(out), "--check-images", "2"),
-        *("--data-dir", str(empty)),
+        [
+            *("export", str(folder), "--format", "onnx", "--out", str(out), "--check-images", "2"),
+            *("--data-dir", str(empty)),
+        ],
     )
     assert code == 0, err
     info = json.loads((tmp_path / "model.onnx.json").read_text())

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import safe_open
 
 from capsctl.checkpoint import model_tensors, save_checkpoint
@@ -648,24 +649,14 @@ def test_existing_pictures_are_replaced_only_with_overwrite_the_checkpoint_never
     assert len(result.written) == 2 * 2 + 2 and path.read_bytes().startswith(b"\x89PNG")
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    from capsctl.cli import main
-
-    try:
-        main(["inspect-routing", *args])
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_the_command_refuses_to_dump_over_its_checkpoint(
     model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
     before = ckpt.read_bytes()
-    code, out, err = _cli(capsys, str(ckpt), "--random", "2", "--dump", str(ckpt), "--overwrite")
+    code, out, err = run_cli(
+        capsys, ["inspect-routing", str(ckpt), "--random", "2", "--dump", str(ckpt), "--overwrite"]
+    )
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert str(ckpt) in line and "choose another file" in line
@@ -684,7 +675,7 @@ def test_a_bad_image_count_or_a_reversed_range_is_a_usage_error(
     args: list[str], words: list[str], model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = save_tiny_checkpoint(model, tmp_path / "tiny.safetensors")
-    code, out, err = _cli(capsys, str(ckpt), *args)
+    code, out, err = run_cli(capsys, ["inspect-routing", str(ckpt), *args])
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert all(w in line for w in words), line

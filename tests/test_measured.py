@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 import capsctl.compare.measured as measured
-from tests.test_suites import _fake_run, run_cli
+from tests.test_suites import _fake_run
 
 SUITE = (
     "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nresults: s-cpu.csv\nmembers:\n"
@@ -66,4 +67,3 @@ def test_compare_an_unknown_suite_names_the_known_ones(capsys: pytest.CaptureFix
     code, _, err = run_cli(capsys, ["compare", "--suite", "nope"])
     assert code == 2
     assert "cifar10-fast" in err and "paper" in err
-

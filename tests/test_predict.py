@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiny import tiny_args
+from conftest import run_cli
 
 from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
-from capsctl.cli import main
 from capsctl.config import DataConfig, Preset, TrainConfig, preset_to_dict, resolve_config
 from capsctl.data import ArrayDataset, load_dataset
 from capsctl.data.images import expand_image_paths, load_image, read_image_file
@@ -35,35 +34,11 @@ FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
 N_IMAGES = 12
 
 
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny capsule net trained for 20 steps on the embedded Fashion-MNIST subset."""
-    out = tmp_path_factory.mktemp("run")
-    main(
-        [
-            "train",
-            "--preset",
-            "quickstart",
-            *tiny_args(20),
-            "--epochs",
-            "1",
-            "--out",
-            str(out),
-            "--overwrite",
-            "--json",
-        ]
-    )
-    return out / "best.safetensors"
+def trained(tiny_trained_run: Path) -> Path:
+    """A tiny capsule net trained for 20 steps on the embedded Fashion-MNIST subset (the
+    session's tiny run, tests/conftest.py)."""
+    return tiny_trained_run / "best.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +316,7 @@ def folder(dataset_images: ArrayDataset, tmp_path: Path) -> Path:
 def test_json_is_one_document(
     trained: Path, folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = run(capsys, "predict", str(trained), str(folder), "--json", "-k", "3")
+    code, out, err = run_cli(capsys, ["predict", str(trained), str(folder), "--json", "-k", "3"])
     assert code == 0, err
     doc = json.loads(out)
     assert doc["score"] == "softmax" and doc["top_k"] == 3 and doc["skipped"] == []
@@ -354,16 +329,20 @@ def test_json_is_one_document(
 def test_table_says_the_preprocessing_and_the_score(
     trained: Path, folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = run(capsys, "predict", str(trained), str(folder / "1.png"), "--device", "cpu")
+    code, out, _ = run_cli(
+        capsys, ["predict", str(trained), str(folder / "1.png"), "--device", "cpu"]
+    )
     assert code == 0
     assert "preprocessing: gray, shorter side resized to 28 (antialiased), center crop 28x28" in out
     assert "score: softmax probability" in out and "1.png" in out and "Top-5 classes" in out
 
 
 def test_top_k_bounds(trained: Path, folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "predict", str(trained), str(folder), "--top-k", "0")
+    code, out, err = run_cli(capsys, ["predict", str(trained), str(folder), "--top-k", "0"])
     assert code == 2 and "--top-k 0" in err and out == ""
-    code, out, _ = run(capsys, "predict", str(trained), str(folder), "--top-k", "99", "--json")
+    code, out, _ = run_cli(
+        capsys, ["predict", str(trained), str(folder), "--top-k", "99", "--json"]
+    )
     doc = json.loads(out)
     assert code == 0 and doc["top_k"] == 10
     for image in doc["images"]:
@@ -375,16 +354,16 @@ def test_an_unreadable_file_is_named_and_skip_bad_keeps_the_rest(
     trained: Path, folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
-    code, out, err = run(capsys, "predict", str(trained), str(folder))
+    code, out, err = run_cli(capsys, ["predict", str(trained), str(folder)])
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "broken.png" in lines[0] and "--skip-bad" in lines[0]
-    code, out, err = run(capsys, "predict", str(trained), str(folder), "--skip-bad", "--json")
+    code, out, err = run_cli(capsys, ["predict", str(trained), str(folder), "--skip-bad", "--json"])
     assert code == 0
     doc = json.loads(out)
     assert [Path(i["path"]).name for i in doc["images"]] == ["0.png", "1.png", "2.png"]
     assert [Path(s["path"]).name for s in doc["skipped"]] == ["broken.png"]
-    code, out, err = run(capsys, "predict", str(trained), str(folder), "--skip-bad")
+    code, out, err = run_cli(capsys, ["predict", str(trained), str(folder), "--skip-bad"])
     assert code == 0 and "warning" in err and "broken.png" in err and "2.png" in out
 
 
@@ -394,20 +373,20 @@ def test_folders_globs_and_nothing_matched(
     (folder / "readme.txt").write_text("not an image")
     shutil.copy(folder / "0.png", tmp_path / "extra.png")
     args = [str(folder / "[12].png"), str(tmp_path / "extra.png"), "--json"]
-    code, out, _ = run(capsys, "predict", str(trained), *args)
+    code, out, _ = run_cli(capsys, ["predict", str(trained), *args])
     assert code == 0
     assert [Path(i["path"]).name for i in json.loads(out)["images"]] == [
         "1.png",
         "2.png",
         "extra.png",
     ]
-    code, out, err = run(capsys, "predict", str(trained), str(tmp_path / "*.gif"))
+    code, out, err = run_cli(capsys, ["predict", str(trained), str(tmp_path / "*.gif")])
     assert code == 2 and out == "" and "*.gif" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run(capsys, "predict", str(trained), str(tmp_path / "missing.png"))
+    code, _, err = run_cli(capsys, ["predict", str(trained), str(tmp_path / "missing.png")])
     assert code == 2 and "missing.png: no such file or folder" in err
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, _, err = run(capsys, "predict", str(trained), str(empty), str(folder), "--skip-bad")
+    code, _, err = run_cli(capsys, ["predict", str(trained), str(empty), str(folder), "--skip-bad"])
     assert code == 0 and "folder holds no image files" in err
 
 
@@ -563,7 +542,7 @@ def test_decompression_bomb_warning_is_one_clear_line(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = load_image(image, 1, 28)
-        code, out, err = run(capsys, "predict", str(tiny_checkpoint()), str(image))
+        code, out, err = run_cli(capsys, ["predict", str(tiny_checkpoint()), str(image)])
     assert caught == []  # nothing reaches Python's warning machinery (stderr)
     assert len(loaded.warnings) == 1 and "very large image" in loaded.warnings[0]
     assert code == 0, err
