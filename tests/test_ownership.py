@@ -186,13 +186,26 @@ def test_stale_temporary_files_are_cleared_by_the_next_run(tmp_path: Path) -> No
     assert not stale.exists()
 
 
-def test_zero_and_tiny_time_limits(tmp_path: Path) -> None:
+def test_zero_and_tiny_time_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capsctl.training import ending
+
     with pytest.raises(UsageError, match="'0m': must be more than 0 seconds"):
         parse_duration("0m", "--time-limit")
+    assert ending.overshoot_warning(1.05, 1.0) is None
+    assert ending.overshoot_warning(600.0, None) is None
+    late = ending.overshoot_warning(12.4, 1.0)
+    assert late is not None and "took 12 s against its time limit of 1 s" in late
+    seen: list[tuple[float, float | None]] = []
+
+    def spy(seconds: float, limit: float | None) -> str | None:
+        seen.append((seconds, limit))
+        return "late"
+
+    monkeypatch.setattr(ending, "overshoot_warning", spy)
     events: list[dict] = []
-    fit(tiny_preset(epochs=1, time_limit=0.01), tmp_path, on_event=events.append)
-    warnings = [e["message"] for e in events if e["event"] == "warning"]
-    assert any("against its time limit of 0.01 s" in w for w in warnings), warnings
+    result = fit(tiny_preset(epochs=1, time_limit=0.01), tmp_path, on_event=events.append)
+    assert seen == [(result.seconds, 0.01)]
+    assert "late" in [e["message"] for e in events if e["event"] == "warning"]
 
 
 def test_folder_busy_is_a_capsctl_error() -> None:

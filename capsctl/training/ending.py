@@ -16,7 +16,7 @@ from capsctl.errors import CapsctlError
 from capsctl.evaluation import EvalResult
 from capsctl.events import emit
 
-__all__ = ["FitResult", "RunEnd"]
+__all__ = ["FitResult", "RunEnd", "overshoot_warning"]
 
 
 @dataclass
@@ -77,15 +77,9 @@ class RunEnd:
             time.perf_counter() - self.t_start,
             self.history,
         )
-        limit = self.t.time_limit
-        if limit is not None and result.seconds > 1.1 * limit + 2.0:
-            emit(
-                self.on_event,
-                "warning",
-                message=f"the run took {result.seconds:.0f} s against its time limit of "
-                f"{limit:g} s: start-up, one training step and the final test cannot be cut "
-                "shorter; give a budget of at least a few steps",
-            )
+        late = overshoot_warning(result.seconds, self.t.time_limit)
+        if late is not None:
+            emit(self.on_event, "warning", message=late)
         if self.dist.is_main:
             write_text_atomic(self.out / files.RESULTS, json.dumps(result.to_dict(), indent=2))
             if self.preset.log.curves:
@@ -116,3 +110,15 @@ class RunEnd:
         save_checkpoint(best, model_tensors(best_model), best_meta)
         emit(self.on_event, "test", **summary)
         return result
+
+
+def overshoot_warning(seconds: float, limit: float | None) -> str | None:
+    """What to tell the user when a run took well over its time limit (more than 10% and 2 s
+    over), else None."""
+    if limit is None or seconds <= 1.1 * limit + 2.0:
+        return None
+    return (
+        f"the run took {seconds:.0f} s against its time limit of {limit:g} s: start-up, one "
+        "training step and the final test cannot be cut shorter; give a budget of at least a "
+        "few steps"
+    )
