@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.suites.runner import TESTS_FILE, Pair, resolved_pair_preset
+from capsctl.suites.runner import TESTS_FILE, Pair, read_json, resolved_pair_preset
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
@@ -156,14 +155,6 @@ class SuiteReport:
         }
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -229,12 +220,12 @@ def report_suite(
         robust: dict[str, TestStat] = {k: TestStat(k, []) for k in ROBUST_METRICS}
         for seed in suite.seeds_of(member):
             folder = out / member.name / f"seed-{seed}"
-            res = _read_json(folder / "results.json")
+            res = read_json(folder / "results.json")
             if not res.get("test"):
                 continue
             if score and suite.tests:
                 score_run(suite, folder, data_dir=data_dir, on_event=on_event)
-            scored = _read_json(folder / TESTS_FILE) if suite.tests else {}
+            scored = read_json(folder / TESTS_FILE) if suite.tests else {}
             if not suite.tests:
                 scored = {"tests": {"test": res["test"]}}
             runs.append(scored)
@@ -245,7 +236,7 @@ def report_suite(
             hist = [float(h) for h in hist if isinstance(h, (int, float))]
             if hist:
                 speeds.append(statistics.fmean(hist))
-            trained = _read_json(folder / "provenance.json").get("trained_by") or []
+            trained = read_json(folder / "provenance.json").get("trained_by") or []
             machines += trained
             if robustness is not None:
                 summary = run_robustness(folder, robustness, data_dir=data_dir, on_event=on_event)

@@ -42,6 +42,7 @@ __all__ = [
     "pair_commands",
     "pair_status",
     "plan_pairs",
+    "read_json",
     "resolved_pair_preset",
     "run_suite",
     "score_run",
@@ -159,7 +160,8 @@ def pair_status(suite: Suite, pair: Pair) -> str:
     return "new"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file's content; ``{}`` when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -168,7 +170,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _missing_tests(suite: Suite, folder: Path) -> list[str]:
-    have = _read_json(folder / TESTS_FILE).get("tests", {})
+    have = read_json(folder / TESTS_FILE).get("tests", {})
     return [t for t in suite.tests if t not in have]
 
 
@@ -180,7 +182,7 @@ def matched_budget(suite: Suite, out: Path) -> float | None:
         if m.budget != "epochs":
             continue
         for s in suite.seeds_of(m):
-            res = _read_json(out / m.name / f"seed-{s}" / "results.json")
+            res = read_json(out / m.name / f"seed-{s}" / "results.json")
             if isinstance(res.get("seconds"), (int, float)) and res.get("test"):
                 times.append(float(res["seconds"]))
     return statistics.median(times) if times else None
@@ -194,7 +196,7 @@ def score_run(
     from capsctl.evaluation import evaluate_checkpoint
 
     path = folder / TESTS_FILE
-    doc = _read_json(path) or {"tests": {}}
+    doc = read_json(path) or {"tests": {}}
     for test in _missing_tests(suite, folder):
         emit(on_event, "suite_score", folder=str(folder), test=test)
         result, _ = evaluate_checkpoint(
@@ -210,7 +212,7 @@ def _record_provenance(folder: Path, resumed: bool) -> None:
     """Append this process's commit, machine and versions to the run's ``provenance.json``:
     every process that trained a run is named (a resumed run has several)."""
     path = folder / "provenance.json"
-    doc = _read_json(path) or {"trained_by": []}
+    doc = read_json(path) or {"trained_by": []}
     doc["trained_by"].append({**provenance(), "resumed": resumed})
     write_text_atomic(path, json.dumps(doc, indent=2))
 
