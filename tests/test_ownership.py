@@ -227,3 +227,32 @@ def test_an_unwritable_run_folder_is_one_line_before_any_data_loads(
         fit(tiny_preset(epochs=1), blocker / "run")
     msg = str(info.value)
     assert str(blocker / "run") in msg and "choose a writable --out" in msg
+
+
+def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_run(
+    tmp_path: Path,
+) -> None:
+    from capsctl.training.run_folder import RESOLVED_PRESET
+
+    fit(tiny_preset(epochs=1), tmp_path)
+    before = {f: (tmp_path / f).read_bytes() for f in (LAST, BEST, METRICS, RESOLVED_PRESET)}
+    StagedReplace(tmp_path, [LAST, BEST, METRICS, RESOLVED_PRESET]).stage()  # then a kill:
+    (tmp_path / RESOLVED_PRESET).write_text("name: the new run\n")  # only its preset was written
+    events: list[dict] = []
+    with pytest.raises(UsageError, match="already holds a run"):
+        fit(tiny_preset(epochs=1), tmp_path, on_event=events.append)
+    assert {f: (tmp_path / f).read_bytes() for f in before} == before
+    assert not (tmp_path / ".previous-run").exists()
+    assert any("put back the run" in e["message"] for e in events if e["event"] == "warning")
+
+
+def test_an_overwrite_killed_after_its_first_checkpoint_drops_the_old_run(tmp_path: Path) -> None:
+    fit(tiny_preset(epochs=1), tmp_path)
+    staged = StagedReplace(tmp_path, [LAST, BEST, METRICS])
+    staged.stage()
+    (tmp_path / LAST).write_bytes((staged.parked / LAST).read_bytes())  # type: ignore[operator]
+    from capsctl.training.ownership import recover_parked
+
+    assert recover_parked(tmp_path, [LAST, BEST, METRICS]) is not None
+    assert not (tmp_path / ".previous-run").exists() and (tmp_path / LAST).exists()
+    assert recover_parked(tmp_path, [LAST]) is None

@@ -165,3 +165,19 @@ class StagedReplace:
             os.replace(self.parked / name, self.folder / name)
         shutil.rmtree(self.parked, ignore_errors=True)
         self.parked = None
+
+
+def recover_parked(folder: Path, names: Iterable[str]) -> str | None:
+    """Settle an ``--overwrite`` that a kill interrupted (``.previous-run/`` still there): without
+    a new ``last.safetensors`` the new run never reached its first checkpoint, so the old run is
+    put back; with one, the old run's files go as planned. Returns what was done, or None."""
+    parked = folder / PREVIOUS_RUN
+    if not parked.is_dir():
+        return None
+    staged = StagedReplace(folder, names)
+    staged.parked = parked
+    if (folder / "last.safetensors").exists():
+        staged.commit()
+        return "removed the files of the run an interrupted --overwrite replaced"
+    staged.restore()
+    return "put back the run that an interrupted --overwrite was replacing"

@@ -41,7 +41,7 @@ from capsctl.losses import count_correct
 from capsctl.training.distributed import Distributed
 from capsctl.training.ending import FitResult, RunEnd
 from capsctl.training.interrupt import Interrupted, sigint_as_flag, stop_exit_code
-from capsctl.training.ownership import RunLock, clear_temp_files
+from capsctl.training.ownership import RunLock, clear_temp_files, recover_parked
 from capsctl.training.phases import PhaseClock
 from capsctl.training.setup import RunSetUp
 
@@ -71,6 +71,9 @@ def fit(
             files.check_out_dir(out, True, True)  # a file where the folder should be
             lock.acquire()  # one run per folder; a dead run's lock dies with it
             clear_temp_files(out)  # left by a killed process: nobody else writes here now
+            recovered = recover_parked(out, files.RUN_FILES)  # a killed --overwrite
+            if recovered is not None:
+                emit(on_event, "warning", message=f"{out}: {recovered}")
         trainer = Trainer(preset, out, dist, on_event if dist.is_main else None, t_start)
         with sigint_as_flag(handle_sigint) as flag, flush_denormals(dist.device):
             try:
