@@ -36,6 +36,7 @@ from capsctl.data import (
     split_train_val,
 )
 from capsctl.data import download as dl
+from capsctl.data import sources
 from capsctl.data.idx import read_idx
 from capsctl.data.safe_pickle import safe_load
 from capsctl.errors import DataError
@@ -520,6 +521,8 @@ def test_a_failed_download_removes_only_the_folders_it_created(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
     monkeypatch.setattr(dl, "_urlopen", lambda *a, **k: (_ for _ in ()).throw(OSError("offline")))
+    # Debian's dataset-fashion-mnist (installed by CI) would be found before any download
+    monkeypatch.setattr(sources, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "no-system-copy")
     fresh = tmp_path / "fresh" / "data"
     with pytest.raises(DataError, match="could not download"):
         load_dataset(name, "train", fresh)
