@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.suites.runner import TESTS_FILE, Pair, read_json, resolved_pair_preset
+from capsctl.suites.runner import TESTS_FILE, Pair, is_finished, read_json, resolved_pair_preset
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
@@ -221,7 +221,7 @@ def report_suite(
         for seed in suite.seeds_of(member):
             folder = out / member.name / f"seed-{seed}"
             res = read_json(folder / "results.json")
-            if not res.get("test"):
+            if not is_finished(res):
                 continue
             if score and suite.tests:
                 score_run(suite, folder, data_dir=data_dir, on_event=on_event)

@@ -38,7 +38,9 @@ from capsctl.suites.spec import Member, Suite
 __all__ = [
     "TESTS_FILE",
     "Pair",
+    "is_finished",
     "matched_budget",
+    "missing_tests",
     "pair_commands",
     "pair_status",
     "plan_pairs",
@@ -112,6 +114,7 @@ def _comparable(preset_dict: dict[str, Any], matched: bool) -> dict[str, Any]:
     if matched:
         out.get("train", {}).pop("time_limit", None)
     out.pop("description", None)
+    out.pop("restored_from", None)  # a record's note on where it was restored from
     return out
 
 
@@ -154,7 +157,7 @@ def pair_status(suite: Suite, pair: Pair) -> str:
     """``done``, ``scored``, ``partial`` or ``new`` (see the module docstring)."""
     f = pair.folder
     if (f / "results.json").exists():
-        return "done" if _missing_tests(suite, f) == [] else "scored"
+        return "done" if missing_tests(suite, f) == [] else "scored"
     if (f / "last.safetensors").exists():
         return "partial"
     return "new"
@@ -169,7 +172,14 @@ def read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _missing_tests(suite: Suite, folder: Path) -> list[str]:
+def is_finished(results: dict[str, Any]) -> bool:
+    """Whether a ``results.json`` content is a finished run's: it has the final test, or it is
+    a record restored from a results file (``restored_from``; its final test was not kept)."""
+    return bool(results.get("test")) or bool(results.get("restored_from"))
+
+
+def missing_tests(suite: Suite, folder: Path) -> list[str]:
+    """The suite's test files the run in ``folder`` is not scored on (``tests.json``)."""
     have = read_json(folder / TESTS_FILE).get("tests", {})
     return [t for t in suite.tests if t not in have]
 
@@ -183,7 +193,7 @@ def matched_budget(suite: Suite, out: Path) -> float | None:
             continue
         for s in suite.seeds_of(m):
             res = read_json(out / m.name / f"seed-{s}" / "results.json")
-            if isinstance(res.get("seconds"), (int, float)) and res.get("test"):
+            if isinstance(res.get("seconds"), (int, float)) and is_finished(res):
                 times.append(float(res["seconds"]))
     return statistics.median(times) if times else None
 
@@ -197,7 +207,7 @@ def score_run(
 
     path = folder / TESTS_FILE
     doc = read_json(path) or {"tests": {}}
-    for test in _missing_tests(suite, folder):
+    for test in missing_tests(suite, folder):
         emit(on_event, "suite_score", folder=str(folder), test=test)
         result, _ = evaluate_checkpoint(
             folder / "best.safetensors", data_dir=data_dir, test_file=test, device="auto"
