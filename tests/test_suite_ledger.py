@@ -1,10 +1,17 @@
-"""Suite ledgers (``capsctl suite archive``) and reports over several folders."""
+"""Suite reports over several folders and over records without checkpoints."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import math
 from pathlib import Path
 
+import pytest
+from conftest import run_cli
+
+from capsctl.errors import CapsctlError
 from capsctl.suites import load_suite, report_suite
 
 SUITE = "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1, t2]\nmembers:\n  - name: caps\n"
@@ -37,6 +44,100 @@ def _run(
         (folder / "best.safetensors").write_bytes(b"weights")
         (folder / "last.safetensors").write_bytes(b"weights and optimizer")
     return folder
+
+
+# -- reporting several folders -----------------------------------------------------------------
+
+
+def test_report_merges_the_pairs_of_two_folders(tmp_path: Path) -> None:
+    suite = load_suite(_suite_file(tmp_path))
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.60, 100)})
+    _run(b / "caps/seed-1", 30.0, {"t1": (0.85, 200), "t2": (0.70, 100)})
+    row = report_suite(suite, [a, b], score=False).rows[0]
+    assert row.seeds_done == [0, 1]
+    assert row.tests["t1"].mean == pytest.approx(0.80)
+    assert row.tests["t1"].std == pytest.approx(math.sqrt(0.005))
+    assert row.tests["t2"].mean == pytest.approx(0.65)
+    assert row.wall_s == pytest.approx(20.0)
+    # the same record in both folders counts once
+    _run(a / "caps/seed-1", 30.0, {"t1": (0.85, 200), "t2": (0.70, 100)})
+    again = report_suite(suite, [a, b], score=False).rows[0]
+    assert again.seeds_done == [0, 1] and again.tests["t1"].values == [0.75, 0.85]
+
+
+def test_a_pair_finished_differently_in_two_folders_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_path = _suite_file(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a / "caps/seed-1", 30.0, {"t1": (0.85, 200), "t2": (0.70, 100)})
+    _run(b / "caps/seed-1", 30.0, {"t1": (0.85, 200), "t2": (0.72, 100)})
+    with pytest.raises(CapsctlError) as info:
+        report_suite(load_suite(suite_path), [a, b], score=False)
+    message = str(info.value)
+    assert "\n" not in message and "caps seed 1" in message
+    assert str(a / "caps/seed-1") in message and str(b / "caps/seed-1") in message
+    assert "t2 accuracy 0.7 vs 0.72" in message
+    args = ["suite", "report", str(a), str(b), "--suite", str(suite_path), "--no-score"]
+    code, _, err = run_cli(capsys, args)
+    assert code == 1 and str(b / "caps/seed-1") in err
+
+
+def test_report_reads_a_ledger_without_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_path = _suite_file(tmp_path)
+    ledger = tmp_path / "ledger"
+    _run(ledger / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.60, 100)}, checkpoints=False)
+    _run(ledger / "caps/seed-1", 30.0, {"t1": (0.85, 200)}, checkpoints=False)  # t2 missing
+    report = report_suite(load_suite(suite_path), ledger, score=True)
+    row = report.rows[0]
+    assert row.seeds_done == [0, 1]
+    assert row.tests["t1"].values == [0.75, 0.85]
+    assert row.tests["t2"].values == [0.60]  # left out of t2 only
+    assert len(report.notes) == 1
+    assert "caps seed 1" in report.notes[0] and "t2" in report.notes[0]
+    assert "no checkpoint" in report.notes[0]
+    args = ["suite", "report", str(ledger), "--suite", str(suite_path), "--csv"]
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert "no checkpoint" in err
+    first = next(csv.DictReader(io.StringIO(out)))
+    assert (first["test_set"], first["top1_mean"], first["seeds_run"]) == ("t1", "0.8", "2")
+
+
+def test_robustness_of_a_ledger_comes_from_its_cache_or_is_noted(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from capsctl.suites.robust import RobustSettings
+
+    suite = load_suite(_suite_file(tmp_path))
+    ledger = tmp_path / "ledger"
+    both = {"t1": (0.75, 200), "t2": (0.60, 100)}
+    cached = _run(ledger / "caps/seed-0", 10.0, both, checkpoints=False)
+    _run(ledger / "caps/seed-1", 30.0, both, checkpoints=False)
+    settings = RobustSettings(limit=50, corruption_limit=50)
+    summary = {"count": 50, "fgsm_8_255_accuracy": 0.3, "pgd_8_255_accuracy": 0.1}
+    doc = {"settings": asdict(settings), "summary": summary}
+    (cached / "robustness.json").write_text(json.dumps(doc))
+    report = report_suite(suite, ledger, score=False, robustness=settings)
+    robust = report.rows[0].robustness
+    assert robust is not None and robust["fgsm_8_255_accuracy"].values == [0.3]
+    assert len(report.notes) == 1 and "caps seed 1" in report.notes[0]
+    assert "robustness" in report.notes[0] and "no checkpoint" in report.notes[0]
+
+
+def test_report_refuses_folders_of_two_suites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "suite.yaml").write_text(SUITE)
+    (b / "suite.yaml").write_text(SUITE.replace("name: s", "name: other"))
+    code, _, err = run_cli(capsys, ["suite", "report", str(a), str(b), "--no-score"])
+    assert code == 2 and str(b / "suite.yaml") in err and "'other'" in err
 
 
 def test_a_restored_record_counts_as_finished(tmp_path: Path) -> None:

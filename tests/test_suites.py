@@ -307,6 +307,8 @@ def test_report_adds_robustness_measured_once_per_run(
     runs = tmp_path / "runs"
     _fake_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)})
     _fake_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})
+    for seed in (0, 1):  # weights to measure (the measurement itself is faked)
+        (runs / f"caps/seed-{seed}/best.safetensors").write_bytes(b"")
     calls: list[tuple[str, int | None]] = []
     values = {"seed-0": (0.30, 0.10, 0.60), "seed-1": (0.40, 0.20, 0.70)}
 

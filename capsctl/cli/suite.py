@@ -122,10 +122,18 @@ def _keep_suite_copy(spec: object, out: Path) -> None:
 
 @suite_app.command("report")
 def report_cmd(
-    folder: Annotated[Path, typer.Argument(help="The folder given to capsctl suite run --out.")],
+    folders: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Folders given to capsctl suite run --out, or ledgers of their records; "
+            "their pairs are merged.",
+            metavar="FOLDER",
+            show_default=False,
+        ),
+    ],
     suite: Annotated[
         str | None,
-        typer.Option("--suite", help="The suite (default: the copy suite run keeps in FOLDER)."),
+        typer.Option("--suite", help="The suite (default: the copy suite run keeps in FOLDERS)."),
     ] = None,
     data_dir: Annotated[
         str | None, typer.Option("--data-dir", help="Where datasets live (for scoring).")
@@ -160,7 +168,7 @@ def report_cmd(
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the results CSV.")] = False,
 ) -> None:
     """Top-1 mean ± std over seeds per member, with parameters, GFLOPs, epochs, wall time and
-    training speed."""
+    training speed; several FOLDERS (run folders and ledgers) are reported as one suite."""
     from capsctl.suites import load_suite, report_suite, write_results
     from capsctl.suites.report import results_csv
     from capsctl.views.common import print_json
@@ -169,15 +177,7 @@ def report_cmd(
 
     if json_out and csv_out:
         raise UsageError("--json and --csv exclude each other")
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: no such folder; give the --out of capsctl suite run")
-    if suite is None:
-        if not (folder / SUITE_COPY).exists():
-            raise UsageError(
-                f"{folder}: holds no {SUITE_COPY}; name the suite with --suite NAME|FILE"
-            )
-        suite = str(folder / SUITE_COPY)
-    spec = load_suite(suite)
+    spec = load_suite(_suite_of(folders, suite))
     settings = None
     if robustness:
         from capsctl.suites.robust import RobustSettings
@@ -188,7 +188,7 @@ def report_cmd(
     with simple_progress("scoring", quiet=json_out or csv_out) as on_event:
         report = report_suite(
             spec,
-            folder,
+            folders,
             score=not no_score,
             data_dir=data_dir,
             on_event=on_event,
@@ -207,3 +207,36 @@ def report_cmd(
         sys.stdout.write(results_csv(report))
     else:
         print_suite_report(doc)
+    if not json_out:
+        from capsctl.views.common import note, warning_line
+
+        for line in report.notes:
+            note(warning_line(line, "note:"))
+
+
+def _suite_of(folders: list[Path], suite: str | None) -> str:
+    """``--suite``, else the suite copy the folders keep (all naming the same suite)."""
+    from capsctl.config.yaml_io import load_yaml
+
+    for folder in folders:
+        if not folder.is_dir():
+            raise UsageError(f"{folder}: no such folder; give the --out of capsctl suite run")
+    if suite is not None:
+        return suite
+    copies = [f / SUITE_COPY for f in folders if (f / SUITE_COPY).exists()]
+    if not copies:
+        raise UsageError(
+            f"{folders[0]}: holds no {SUITE_COPY}; name the suite with --suite NAME|FILE"
+        )
+    names = {}
+    for path in copies:
+        doc = load_yaml(path.read_text(encoding="utf-8"))
+        names[path] = doc.get("name") if isinstance(doc, dict) else None
+    first = copies[0]
+    for path, name in names.items():
+        if name != names[first]:
+            raise UsageError(
+                f"{first} is suite {names[first]!r} but {path} is {name!r}; report one suite "
+                "at a time, or name it with --suite"
+            )
+    return str(first)

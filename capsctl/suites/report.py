@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.suites.runner import TESTS_FILE, Pair, is_finished, read_json, resolved_pair_preset
+from capsctl.suites.runner import TESTS_FILE, Pair, read_json, resolved_pair_preset
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
@@ -144,6 +144,8 @@ class SuiteReport:
     tests: list[str]
     rows: list[MemberRow]
     description: str = ""
+    #: What the report could not include (a pair left out of a test file, and why).
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,6 +154,7 @@ class SuiteReport:
             "description": self.description,
             "tests": self.tests,
             "rows": [r.to_dict() for r in self.rows],
+            "notes": self.notes,
         }
 
 
@@ -198,37 +201,43 @@ def _model_name(cfg: Any) -> str:
 
 def report_suite(
     suite: Suite,
-    out: Path,
+    out: Path | Sequence[Path],
     *,
     score: bool = True,
     data_dir: str | None = None,
     on_event: Any = None,
     robustness: Any = None,
 ) -> SuiteReport:
-    """Aggregate the finished runs under ``out`` (``score``: first score the test files a
-    finished run lacks, as ``capsctl suite run`` does after each run; ``robustness``: a
+    """Aggregate the finished runs under ``out``: a run folder of ``capsctl suite run`` or a
+    ledger (:mod:`capsctl.suites.ledger`), or several, whose pairs are merged (a pair finished
+    with different results in two of them is a CapsctlError). ``score``: first score the test
+    files a finished run lacks, as ``capsctl suite run`` does after each run (a run without a
+    checkpoint is left out of those test files, with a note); ``robustness``: a
     :class:`~capsctl.suites.robust.RobustSettings` adds FGSM, PGD and corruption columns,
-    measured once per run and cached in its folder)."""
-    from capsctl.suites.robust import ROBUST_METRICS, run_robustness
-    from capsctl.suites.runner import score_run
+    measured once per run and cached in its folder."""
+    from capsctl.suites.ledger import pick_pair_folder, robustness_or_note, score_or_note
+    from capsctl.suites.robust import ROBUST_METRICS
 
+    roots = [Path(out)] if isinstance(out, (str, Path)) else [Path(o) for o in out]
     tests = list(suite.tests) or ["test"]
-    rows = []
+    rows, notes = [], []
     for member in suite.members:
         runs, done = [], []
         walls, epochs, speeds, machines = [], [], [], []
         robust: dict[str, TestStat] = {k: TestStat(k, []) for k in ROBUST_METRICS}
         for seed in suite.seeds_of(member):
-            folder = out / member.name / f"seed-{seed}"
-            res = read_json(folder / "results.json")
-            if not is_finished(res):
+            folder = pick_pair_folder(suite, member, seed, roots)
+            if folder is None:
                 continue
-            if score and suite.tests:
-                score_run(suite, folder, data_dir=data_dir, on_event=on_event)
-            scored = read_json(folder / TESTS_FILE) if suite.tests else {}
-            if not suite.tests:
-                scored = {"tests": {"test": res["test"]}}
-            runs.append(scored)
+            label = f"{member.name} seed {seed} ({folder})"
+            res = read_json(folder / "results.json")
+            if suite.tests:
+                score_or_note(
+                    suite, folder, label, score, notes, data_dir=data_dir, on_event=on_event
+                )
+                runs.append(read_json(folder / TESTS_FILE))
+            else:
+                runs.append({"tests": {"test": res["test"]}})
             done.append(seed)
             walls.append(float(res.get("seconds", 0.0)))
             epochs.append(float(res.get("epochs_done", 0)))
@@ -236,18 +245,14 @@ def report_suite(
             hist = [float(h) for h in hist if isinstance(h, (int, float))]
             if hist:
                 speeds.append(statistics.fmean(hist))
-            trained = read_json(folder / "provenance.json").get("trained_by") or []
-            machines += trained
+            machines += read_json(folder / "provenance.json").get("trained_by") or []
             if robustness is not None:
-                summary = run_robustness(folder, robustness, data_dir=data_dir, on_event=on_event)
+                summary = robustness_or_note(folder, label, robustness, notes, data_dir, on_event)
                 for key, stat in robust.items():
                     if summary.get(key) is not None:
                         stat.values.append(float(summary[key]))
                         stat.images = summary.get("count")
-        name, params, gflops = _static(suite, member, out / member.name)
-        published = None
-        if member.published is not None:
-            published = asdict(member.published)
+        name, params, gflops = _static(suite, member, roots[0] / member.name)
         rows.append(
             MemberRow(
                 member=member.name,
@@ -261,13 +266,14 @@ def report_suite(
                 wall_s=_mean(walls),
                 train_images_per_s=_mean(speeds),
                 budget=member.budget,
-                published=published,
+                published=None if member.published is None else asdict(member.published),
                 note=member.note,
                 machine=_machine(machines),
                 robustness=robust if robustness is not None else None,
             )
         )
-    return SuiteReport(suite.name, str(out), tests, rows, suite.description)
+    folders = " + ".join(str(r) for r in roots)
+    return SuiteReport(suite.name, folders, tests, rows, suite.description, notes)
 
 
 def _machine(records: Sequence[dict[str, Any]]) -> dict[str, Any]:

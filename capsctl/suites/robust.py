@@ -13,7 +13,13 @@ from typing import Any
 from capsctl.atomic import write_text_atomic
 from capsctl.events import EventFn, emit
 
-__all__ = ["ROBUST_FILE", "ROBUST_METRICS", "RobustSettings", "run_robustness"]
+__all__ = [
+    "ROBUST_FILE",
+    "ROBUST_METRICS",
+    "RobustSettings",
+    "cached_robustness",
+    "run_robustness",
+]
 
 ROBUST_FILE = "robustness.json"
 #: Summary keys shown as report columns, with their column names.
@@ -35,6 +41,22 @@ class RobustSettings:
     seed: int = 0
 
 
+def cached_robustness(folder: Path, settings: RobustSettings) -> dict[str, Any] | None:
+    """The summary in ``folder``'s ``robustness.json`` when it was measured with ``settings``,
+    else None."""
+    try:
+        doc = json.loads((folder / ROBUST_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if (
+        isinstance(doc, dict)
+        and doc.get("settings") == asdict(settings)
+        and isinstance(doc.get("summary"), dict)
+    ):
+        return doc["summary"]
+    return None
+
+
 def run_robustness(
     folder: Path,
     settings: RobustSettings,
@@ -46,18 +68,9 @@ def run_robustness(
     when it was measured with ``settings``, else measured now and stored (atomically)."""
     from capsctl.robustness import robustness_summary
 
-    path = folder / ROBUST_FILE
-    key = asdict(settings)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        doc = {}
-    if (
-        isinstance(doc, dict)
-        and doc.get("settings") == key
-        and isinstance(doc.get("summary"), dict)
-    ):
-        return doc["summary"]
+    cached = cached_robustness(folder, settings)
+    if cached is not None:
+        return cached
     emit(on_event, "suite_robustness", folder=str(folder))
     summary = robustness_summary(
         folder / "best.safetensors",
@@ -68,5 +81,6 @@ def run_robustness(
         data_dir=data_dir,
         on_event=on_event,
     )
-    write_text_atomic(path, json.dumps({"settings": key, "summary": summary}, indent=2))
+    doc = {"settings": asdict(settings), "summary": summary}
+    write_text_atomic(folder / ROBUST_FILE, json.dumps(doc, indent=2))
     return summary
