@@ -62,3 +62,27 @@ def test_batch_sizes_below_one_are_usage_errors(
 def test_evaluate_checkpoint_refuses_batch_size_zero(tiny_checkpoint) -> None:
     with pytest.raises(UsageError, match=r"--batch-size 0: must be >= 1"):
         evaluate_checkpoint(tiny_checkpoint(), batch_size=0, device="cpu")
+
+
+def test_a_non_finite_loss_is_an_error_not_a_result(
+    tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model that gives NaN (a broken library of compiled loops gave 10% accuracy and a bare
+    NaN loss with exit code 0) must not produce a result that looks like one."""
+    from capsctl.checkpoint import load_tensors, read_metadata, save_checkpoint
+
+    ckpt = tiny_checkpoint()
+    tensors = {k: v.clone() for k, v in load_tensors(ckpt).items()}
+    for v in tensors.values():
+        if v.is_floating_point():
+            v.fill_(float("nan"))
+    broken = tmp_path / "nan.safetensors"
+    save_checkpoint(broken, tensors, read_metadata(ckpt))
+    with pytest.raises(CapsctlError) as info:
+        evaluate_checkpoint(broken, device="cpu")
+    message = str(info.value)
+    assert str(broken) in message and "loss" in message and "not finite" in message
+    assert "CAPSCTL_NATIVE=0" in message and "\n" not in message
+    code, out, err = run_cli(capsys, ["eval", str(broken), "--device", "cpu", "--json"])
+    assert code == 1 and out == "", out
+    assert err.count("\n") == 1 and f"error: {broken}: the loss" in err, err
