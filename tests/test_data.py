@@ -33,10 +33,10 @@ from capsctl.data import (
     load_dataset,
     normalization_for,
     resolve_data_dir,
+    sources,
     split_train_val,
 )
 from capsctl.data import download as dl
-from capsctl.data import sources
 from capsctl.data.idx import read_idx
 from capsctl.data.safe_pickle import safe_load
 from capsctl.errors import DataError
