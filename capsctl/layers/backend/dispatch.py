@@ -1,23 +1,27 @@
 """Which implementation of a vote-sized pass runs: the one switch of capsctl/layers/.
 
-Every pass of capsctl/layers/passes/ has up to three implementations of the same math, fastest
-first on a CPU:
+Every pass of capsctl/layers/passes/ has up to four implementations of the same math:
 
 - ``native``: the compiled loops of capsctl/layers/backend/csrc/ (float32 tensors on a CPU,
   when the library is built; capsctl/layers/backend/native.py), run through the chunked
   autograd functions;
-- ``chunked``: the same autograd functions as torch code, tile by tile of parent sites, the
+- ``triton``: the fused Triton kernels of capsctl/layers/backend/triton/ (tensors on a CUDA
+  device; on a CPU only inside ``use("triton")`` under Triton's interpreter, for tests): a
+  tile's votes built on chip and never written to memory, registered as custom ops that
+  ``torch.compile`` keeps; ``CAPSCTL_TRITON=0`` turns them off;
+- ``chunked``: the chunked autograd functions as torch code, tile by tile of parent sites, the
   votes never kept (capsctl/layers/passes/tiles.py);
 - ``dense``: one torch expression over the whole batch (the votes materialized), for tracing
-  and ``torch.compile``: the chunked code loops over the batch in Python, which tracing would
-  unroll and specialize to one batch size.
+  and ``torch.compile`` where no fused pass runs: the chunked code loops over the batch in
+  Python, which tracing would unroll and specialize to one batch size.
 
 A pass asks :func:`choose` with its tensors and runs what it says; :attr:`Choice.reason`
 says why no faster backend runs. :func:`use` picks one inside a block: ``use("dense")`` for
 export (ONNX, torch.export), ``use("chunked")`` for the torch code instead of the compiled
-loops (tests, comparisons; ``sites=`` also fixes the parent sites per tile of the chunked
-passes). A backend for accelerators (e.g. ``backend/triton/``) is one more name in
-:data:`BACKENDS` and one more branch of :func:`choose`.
+loops or the Triton kernels (tests, comparisons; ``sites=`` also fixes the parent sites per
+tile of the chunked passes), ``use("triton")`` for the Triton kernels on a CPU under
+``TRITON_INTERPRET=1``. :func:`ran` tallies the backends the passes ran since
+:func:`reset_ran` (what ``capsctl bench`` reports).
 
 :func:`tracing` says whether torch is tracing or compiling, for the layout copies whose own
 autograd functions export and compile must not see (capsctl/layers/passes/layout.py).
@@ -26,7 +30,9 @@ autograd functions export and compile must not see (capsctl/layers/passes/layout
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,13 +40,30 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend import native
+from capsctl.layers.backend import triton as triton_backend
 
-__all__ = ["BACKENDS", "Choice", "choose", "tracing", "use"]
+__all__ = [
+    "BACKENDS",
+    "TRITON_ENV",
+    "Choice",
+    "choose",
+    "ran",
+    "reset_ran",
+    "tracing",
+    "triton_status",
+    "use",
+]
 
-#: The implementations of a pass, fastest first on a CPU.
-BACKENDS = ("native", "chunked", "dense")
+#: The implementations of a pass: the compiled CPU loops, the fused GPU kernels, the torch code
+#: and the dense expression for tracing.
+BACKENDS = ("native", "triton", "chunked", "dense")
+#: Environment variable: ``0`` keeps the Triton kernels off (the torch code runs on a GPU).
+TRITON_ENV = "CAPSCTL_TRITON"
+#: dtypes the Triton kernels take (float32 sums in every case).
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-_OPEN = {"dense": 0, "chunked": 0}  # open use() blocks of each backend
+_OPEN = {"dense": 0, "chunked": 0, "triton": 0}  # open use() blocks of each backend
+_RAN: Counter[str] = Counter()  # backends chosen since reset_ran()
 _SITES = {"sites": 0}  # parent sites per tile fixed by use(..., sites=)
 _LOCK = threading.Lock()
 
@@ -58,12 +81,14 @@ class Choice:
 
 @contextlib.contextmanager
 def use(backend: str, *, sites: int = 0) -> Iterator[None]:
-    """Run ``backend`` (``"dense"`` or ``"chunked"``) inside the block, where it can run
-    (``dense`` always can; ``chunked`` is the torch code, also where the compiled loops could
-    run); ``sites`` (> 0, ``chunked`` only): parent sites per tile of the chunked passes.
-    Blocks nest and may be open in several threads at once; ``dense`` wins over ``chunked``."""
+    """Run ``backend`` (``"dense"``, ``"chunked"`` or ``"triton"``) inside the block, where it
+    can run (``dense`` always can; ``chunked`` is the torch code, also where the compiled loops
+    or the Triton kernels could run; ``triton`` also takes CPU tensors, under Triton's
+    interpreter); ``sites`` (> 0, ``chunked`` only): parent sites per tile of the chunked
+    passes. Blocks nest and may be open in several threads at once; ``dense`` wins over
+    ``chunked``, which wins over ``triton``."""
     if backend not in _OPEN:
-        raise ValueError(f"use() takes 'dense' or 'chunked', got {backend!r}")
+        raise ValueError(f"use() takes 'dense', 'chunked' or 'triton', got {backend!r}")
     if sites and backend != "chunked":
         raise ValueError("sites= applies to the chunked backend only")
     with _LOCK:
@@ -86,19 +111,63 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+def triton_status(device: torch.device | str) -> str:
+    """Why the Triton kernels cannot run on ``device`` ("" where they can)."""
+    if os.environ.get(TRITON_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"the Triton kernels are off ({TRITON_ENV}=0)"
+    return triton_backend.unavailable(device)
+
+
+def _triton_reason(tensors: tuple[Tensor, ...]) -> str:
+    """Why the Triton kernels cannot run this pass ("" where they do)."""
+    device = tensors[0].device
+    if device.type == "cpu" and not _OPEN["triton"]:
+        return 'the Triton kernels run on CUDA devices (on a CPU only inside use("triton"))'
+    if any(t.device != device for t in tensors):
+        return "the tensors are on several devices"
+    if not all(t.dtype in _TRITON_DTYPES for t in tensors):
+        return "the Triton kernels take floating-point tensors"
+    return triton_status(device)
+
+
+def _chosen(choice: Choice) -> Choice:
+    _RAN[choice.backend] += 1
+    return choice
+
+
 def choose(*tensors: Tensor) -> Choice:
     """The backend of a pass over ``tensors`` (its inputs, as the pass will read them)."""
     if _OPEN["dense"]:
-        return Choice("dense", 'inside use("dense") (export)')
-    if torch.compiler.is_compiling():
-        return Choice("dense", "torch.compile or torch.export is tracing")
+        return _chosen(Choice("dense", 'inside use("dense") (export)'))
     sites = _SITES["sites"]
+    on_cpu = tensors[0].device.type == "cpu"
+    why_not_triton = _triton_reason(tensors)
+    if torch.compiler.is_compiling():
+        if not why_not_triton and not _OPEN["chunked"]:
+            return _chosen(Choice("triton"))  # custom ops: compile keeps the fused pass
+        return _chosen(Choice("dense", "torch.compile or torch.export is tracing"))
     if torch.jit.is_tracing():
-        return Choice("chunked", "torch.jit is tracing", sites)
+        return _chosen(Choice("chunked", "torch.jit is tracing", sites))
     if _OPEN["chunked"]:
-        return Choice("chunked", 'inside use("chunked")', sites)
+        return _chosen(Choice("chunked", 'inside use("chunked")', sites))
+    if not why_not_triton:
+        return _chosen(Choice("triton"))
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return Choice("chunked", "the compiled loops take float32 tensors on a CPU only", sites)
+        reason = "the compiled loops take float32 tensors on a CPU only"
+        if not on_cpu:
+            reason = why_not_triton
+        return _chosen(Choice("chunked", reason, sites))
     if native.loaded() is None:
-        return Choice("chunked", "the compiled loops are " + native.native_status(), sites)
-    return Choice("native")
+        return _chosen(Choice("chunked", "the compiled loops are " + native.native_status(), sites))
+    return _chosen(Choice("native"))
+
+
+def ran() -> dict[str, int]:
+    """How many passes each backend ran since :func:`reset_ran` (backends that ran none left
+    out)."""
+    return {k: v for k, v in _RAN.items() if v}
+
+
+def reset_ran() -> None:
+    """Start a new tally for :func:`ran`."""
+    _RAN.clear()

@@ -122,11 +122,17 @@ def gated_pass(
     (and no ``chunk_sites``) the logits, the coefficients, the mass and the weighted sum are one
     pass (:class:`GatedPass`), which keeps neither the logits nor the mass."""
     j, bsz, a, xd = x.shape
-    if chunk_sites is None and choose(act, x, w, wr, br).backend == "native":
+    backend = choose(act, x, w, wr, br).backend if chunk_sites is None else "chunked"
+    if backend in ("native", "triton"):
         m, c = w.shape[2], w.shape[3]
         add_routing_flops(2 * j * bsz * a * xd * m)  # the logits (a matrix product in the pass)
         add_routing_flops(2 * j * bsz * m * a * c)  # the weighted sum
-        u, total, coef = GatedPass.apply(act, x, w, wr, br)  # [B, m, a, c], [B, m], [J, B, m]
+        if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
+            from capsctl.layers.backend.triton.ops import triton_gated
+
+            u, total, coef = triton_gated(act, x, w, wr, br)  # [B, m, a, c], [B, m], [J, B, m]
+        else:
+            u, total, coef = GatedPass.apply(act, x, w, wr, br)  # as triton_gated
         u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
         return u, parent_activations(total, act), coef
     logits = routing_logits(x.reshape(j, bsz, a * xd), wr, br)  # [J, B, m]

@@ -239,9 +239,15 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
     j, bsz, a, _ = x.shape
     # the agreement and the weighted sum: J*B*m*d multiply-accumulates each
     add_routing_flops(2 * 2 * j * bsz * w.shape[2] * a * w.shape[3])
-    if choose(x, w, p).backend == "dense":
+    backend = choose(x, w, p).backend
+    if backend == "dense":
         s, r = routed_pass_dense(x, w, p, scale)
         return s, r.detach()
+    if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
+        from capsctl.layers.backend.triton.ops import triton_routed
+
+        s, r = triton_routed(x, w, p, scale)  # [B, m, a, c], [J, B, m] (not differentiable)
+        return s, r.to(x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
         s, r = ChunkedRoutedPass.apply(x, w, p, scale)
         return s, r

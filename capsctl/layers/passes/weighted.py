@@ -134,8 +134,13 @@ def weighted_pass(x: Tensor, w: Tensor, r: Tensor, sites: int | None = None) -> 
     ``capsctl.layers.passes.tiles.tile_budget``)."""
     j, bsz, a, _ = x.shape
     add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
-    if choose(x, w, r).backend == "dense":
+    backend = choose(x, w, r).backend
+    if backend == "dense":
         return weighted_pass_dense(x, w, r)
+    if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
+        from capsctl.layers.backend.triton.ops import triton_weighted
+
+        return triton_weighted(x, w, r)  # [B, m, a, c]
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or r.requires_grad):
         return ChunkedWeightedPass.apply(x, w, r, sites)
     with torch.no_grad():

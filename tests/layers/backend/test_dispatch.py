@@ -13,7 +13,7 @@ from capsctl.layers.backend import native
 
 
 def test_the_backends_fastest_first() -> None:
-    assert dispatch.BACKENDS == ("native", "chunked", "dense")
+    assert dispatch.BACKENDS == ("native", "triton", "chunked", "dense")
 
 
 def test_float32_on_a_cpu_runs_the_compiled_loops_where_they_are_built() -> None:
@@ -46,7 +46,7 @@ def test_use_chunked_and_its_sites_end_with_the_block() -> None:
 
 
 def test_use_refuses_what_it_cannot_pick() -> None:
-    with pytest.raises(ValueError, match="'dense' or 'chunked'"), dispatch.use("native"):
+    with pytest.raises(ValueError, match="'dense', 'chunked' or 'triton'"), dispatch.use("native"):
         pass
     with pytest.raises(ValueError, match="chunked backend only"), dispatch.use("dense", sites=2):
         pass

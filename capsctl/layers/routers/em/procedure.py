@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from capsctl.layers.passes.em_moments import VoteMoments, VoteQuad, vote_shift
+from capsctl.layers.passes.em_moments import vote_moments, vote_quad, vote_shift
 from capsctl.layers.routers.em.windows import WindowGrid, e_step, softmax_over_parents
 
 # Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
@@ -209,7 +209,7 @@ def em_routing_chunked(
     for t in range(iterations):
         rs.append(r.transpose(1, 2))  # [B, m, J]
         # [2, B, d, m] and [B, m, 1]: sum_J R a (V', V'^2) and sum_J R a, R a formed chunk by chunk
-        s, mass = VoteMoments.apply(r, a_in, x, wc, shift)
+        s, mass = vote_moments(r, a_in, x, wc, shift)
         step = functools.partial(
             _m_step, final_lambda=final_lambda, t=t, standardize=standardize_costs
         )
@@ -222,7 +222,7 @@ def em_routing_chunked(
         mus.append(mu)
         acts.append(act)
         if t + 1 < iterations:
-            r = e_step(VoteQuad.apply(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
+            r = e_step(vote_quad(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
     return mus[-1], acts[-1], rs, mus, acts
 
 

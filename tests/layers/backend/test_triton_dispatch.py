@@ -1,0 +1,94 @@
+"""The Triton passes behind capsctl/layers/backend/dispatch.py: where they run, and whole
+training steps of every routing algorithm through them (Triton's interpreter on the CPU)
+against the torch code."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: the kernels run on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton cannot import (it ships with torch's CUDA wheels)")
+
+from capsctl.config import build_model  # noqa: E402
+from capsctl.layers.backend import dispatch  # noqa: E402
+
+# small versions of the four routing algorithms' CIFAR-10 models: two conv capsule layers (one
+# strided, so windows overlap and sites are uneven) and the class layer
+SMALL = {
+    "primary_types": 4,
+    "layers": [
+        {"kind": "conv", "types": 4, "pose_dim": 16, "kernel": 3, "stride": 2},
+        {"kind": "conv", "types": 3, "pose_dim": 16, "kernel": 3, "stride": 1},
+    ],
+    "input_size": 16,
+}
+PRESETS = {
+    "idpa": "cifar10-caps-simple",
+    "dynamic": "cifar10-dynamic-simple",
+    "em": "cifar10-em-simple",
+    "self": "cifar10-self-simple",
+}
+
+
+def test_the_triton_backend_is_chosen_inside_use_triton_and_tallied() -> None:
+    x = torch.zeros(2, 3)
+    assert dispatch.choose(x).backend != "triton"  # never on a CPU by itself
+    dispatch.reset_ran()
+    with dispatch.use("triton"):
+        assert dispatch.choose(x) == dispatch.Choice("triton")
+        assert dispatch.choose(x.long()).backend != "triton"  # integer tensors: not the kernels
+        with dispatch.use("chunked"):  # the torch code wins, as for the compiled loops
+            assert dispatch.choose(x).backend == "chunked"
+    assert dispatch.ran()["triton"] == 1 and dispatch.ran()["chunked"] >= 1
+    dispatch.reset_ran()
+    assert dispatch.ran() == {}
+
+
+def test_the_environment_turns_the_triton_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dispatch.TRITON_ENV, "0")
+    with dispatch.use("triton"):
+        choice = dispatch.choose(torch.zeros(2))
+    assert choice.backend != "triton"
+    assert "CAPSCTL_TRITON=0" in dispatch.triton_status("cpu")
+
+
+def _model(router: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model({"base": PRESETS[router], **SMALL})
+    if router == "idpa":
+        model.set_routing(3, "sequential")  # routed passes in every layer, three times
+    with torch.no_grad():  # self-routing starts uniform (zero routing weights): give it a gating
+        for name, p in model.named_parameters():
+            if name.split(".")[-1] in ("route_weight", "route_bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("router", ["idpa", "dynamic", "em", "self"])
+def test_a_training_step_through_the_triton_passes_equals_the_torch_code(router: str) -> None:
+    model = _model(router)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.float().square().sum().backward()
+        return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    dispatch.reset_ran()
+    with dispatch.use("triton"):
+        fused = step()
+    assert dispatch.ran().get("triton", 0) > 0, dispatch.ran()
+    with dispatch.use("chunked"):
+        slow = step()
+    assert len(fused) == len(slow) > 1
+    # a gradient that is zero but for rounding (1e-8 here) is compared on the scale of the
+    # largest one: the kernels add their tiles atomically, in another order than the torch code
+    floor = 1e-3 * max(t.abs().max().item() for t in slow)
+    for got, want in zip(fused, slow, strict=True):
+        scale = max(want.abs().max().item(), floor)
+        assert (got - want).abs().max().item() / scale < 1e-4
