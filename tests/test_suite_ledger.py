@@ -1,4 +1,4 @@
-"""Suite reports over several folders and over records without checkpoints."""
+"""Suite ledgers (``capsctl suite archive``) and reports over several folders."""
 
 from __future__ import annotations
 
@@ -44,6 +44,93 @@ def _run(
         (folder / "best.safetensors").write_bytes(b"weights")
         (folder / "last.safetensors").write_bytes(b"weights and optimizer")
     return folder
+
+
+# -- archiving ---------------------------------------------------------------------------------
+
+
+def test_archive_keeps_finished_scored_pairs_without_checkpoints(tmp_path: Path) -> None:
+    from capsctl.suites.ledger import RECORD_FILES, archive_suite
+
+    suite = load_suite(_suite_file(tmp_path))
+    runs, ledger = tmp_path / "runs", tmp_path / "ledger"
+    _run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.70, 100)})
+    _run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})  # t2 not scored yet
+    result = archive_suite(suite, [runs], ledger)
+    assert [(p["seed"], p["status"]) for p in result.pairs] == [(0, "added"), (1, "unscored")]
+    record = ledger / "caps/seed-0"
+    assert sorted(p.name for p in record.iterdir()) == sorted(
+        f for f in RECORD_FILES if f not in ("preset.yaml", "robustness.json")
+    )
+    for name in ("results.json", "tests.json", "provenance.json", "metrics.jsonl"):
+        assert (record / name).read_bytes() == (runs / "caps/seed-0" / name).read_bytes()
+    assert not (ledger / "caps/seed-1").exists()
+    assert not list(ledger.rglob(".*"))  # no staging folder left behind
+    again = archive_suite(suite, [runs], ledger)
+    assert again.pairs[0]["status"] == "kept"
+
+
+def test_archive_refuses_a_differing_record_unless_overwrite(tmp_path: Path) -> None:
+    from capsctl.suites.ledger import archive_suite
+
+    suite = load_suite(_suite_file(tmp_path))
+    runs, ledger = tmp_path / "runs", tmp_path / "ledger"
+    _run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.70, 100)})
+    archive_suite(suite, [runs], ledger)
+    kept = (ledger / "caps/seed-0/tests.json").read_text()
+    other = tmp_path / "other"
+    _run(other / "caps/seed-0", 12.0, {"t1": (0.80, 200), "t2": (0.70, 100)})
+    with pytest.raises(CapsctlError) as info:
+        archive_suite(suite, [other], ledger)
+    message = str(info.value)
+    assert "\n" not in message
+    assert str(ledger / "caps/seed-0") in message and str(other / "caps/seed-0") in message
+    assert "t1 accuracy 0.75 vs 0.8" in message and "--overwrite" in message
+    assert (ledger / "caps/seed-0/tests.json").read_text() == kept
+    result = archive_suite(suite, [other], ledger, overwrite=True)
+    assert result.pairs[0]["status"] == "replaced"
+    tests = json.loads((ledger / "caps/seed-0/tests.json").read_text())["tests"]
+    assert tests["t1"]["accuracy"] == 0.80
+    assert json.loads((ledger / "caps/seed-0/results.json").read_text())["seconds"] == 12.0
+    assert not list(ledger.rglob(".*"))
+
+
+def test_archive_refuses_two_differing_sources_and_a_run_folder_as_ledger(
+    tmp_path: Path,
+) -> None:
+    from capsctl.suites.ledger import archive_suite
+
+    suite = load_suite(_suite_file(tmp_path))
+    a, b, ledger = tmp_path / "a", tmp_path / "b", tmp_path / "ledger"
+    _run(a / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.70, 100)})
+    _run(b / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.71, 100)})
+    with pytest.raises(CapsctlError, match="t2 accuracy 0.7 vs 0.71") as info:
+        archive_suite(suite, [a, b], ledger, overwrite=True)
+    assert str(a / "caps/seed-0") in str(info.value) and str(b / "caps/seed-0") in str(info.value)
+    assert not ledger.exists()  # nothing written
+    with pytest.raises(CapsctlError, match="best.safetensors"):
+        archive_suite(suite, [b], a, overwrite=True)  # a is a run folder: its weights stay
+    assert (a / "caps/seed-0/best.safetensors").exists()
+
+
+def test_archive_command_writes_the_suite_copy_and_refuses_with_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_path = _suite_file(tmp_path)
+    runs, ledger = tmp_path / "runs", tmp_path / "ledger"
+    _run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200), "t2": (0.70, 100)})
+    args = ["suite", "archive", str(runs), "--suite", str(suite_path), "--to", str(ledger)]
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert "caps seed 0: added" in out
+    assert (ledger / "suite.yaml").is_file() and (ledger / "caps/seed-0/tests.json").is_file()
+    (runs / "caps/seed-0/tests.json").write_text(
+        json.dumps({"tests": {"t1": {"accuracy": 0.1}, "t2": {"accuracy": 0.2}}})
+    )
+    code, _, err = run_cli(capsys, args)
+    assert code == 1 and "--overwrite" in err
+    code, out, _ = run_cli(capsys, [*args, "--overwrite"])
+    assert code == 0 and "caps seed 0: replaced" in out
 
 
 # -- reporting several folders -----------------------------------------------------------------

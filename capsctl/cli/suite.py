@@ -240,3 +240,59 @@ def _suite_of(folders: list[Path], suite: str | None) -> str:
                 "at a time, or name it with --suite"
             )
     return str(first)
+
+
+@suite_app.command("archive")
+def archive_cmd(
+    folders: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Folders given to capsctl suite run --out (or other ledgers).",
+            metavar="FOLDER",
+            show_default=False,
+        ),
+    ],
+    to: Annotated[
+        Path,
+        typer.Option("--to", help="The ledger: LEDGER/MEMBER/seed-S records, no checkpoints."),
+    ],
+    suite: Annotated[
+        str | None,
+        typer.Option("--suite", help="The suite (default: the copy suite run keeps in FOLDERS)."),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace records that differ from the folders' runs."),
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Keep every finished, scored pair's small files (results, test scores, provenance,
+    preset, metrics; no checkpoints) as a record in a ledger, which capsctl suite report reads
+    like a run folder; a record that differs from the ledger's is refused without --overwrite."""
+    from capsctl.suites import load_suite
+    from capsctl.suites.ledger import archive_suite
+    from capsctl.views.common import note, print_json
+
+    spec = load_suite(_suite_of(folders, suite))
+    _keep_suite_copy(spec, to)
+    result = archive_suite(spec, folders, to, overwrite=overwrite)
+    if json_out:
+        print_json(result.to_dict())
+        return
+    said = {"kept": "already in the ledger", "unfinished": "not finished; not archived"}
+    for p in result.pairs:
+        what = said.get(p["status"], p["status"])
+        if p["status"] == "unscored":
+            runs = Path(p["from"]).parents[1]
+            what = (
+                f"not scored on {', '.join(p['missing'])}; not archived (capsctl suite report "
+                f"{runs} scores it)"
+            )
+        sys.stdout.write(f"{p['member']} seed {p['seed']}: {what}\n")
+    statuses = [p["status"] for p in result.pairs]
+    written = statuses.count("added") + statuses.count("replaced")
+    kept = statuses.count("kept")
+    note(
+        f"ledger {to}: written {written}, already there {kept}, not archived "
+        f"{len(statuses) - written - kept}"
+    )

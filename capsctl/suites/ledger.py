@@ -4,23 +4,43 @@ folders) is reported as one.
 
 A ledger has a suite run folder's layout without the checkpoints: ``LEDGER/suite.yaml`` and
 ``LEDGER/<member>/seed-<seed>/`` holding those of :data:`RECORD_FILES` the run has.
-``capsctl suite report`` reads ledgers and run folders alike, several at once: a pair finished in
-more than one of them counts once, and is an error when its results differ
-(:func:`pick_pair_folder`).
+:func:`archive_suite` (``capsctl suite archive DIR --to LEDGER``) adds the finished, scored
+pairs of run folders. ``capsctl suite report`` reads ledgers and run folders alike, several at
+once: a pair finished in more than one of them counts once, and is an error when its results
+differ (:func:`pick_pair_folder`).
+
+A record is written whole: its files go into a hidden folder next to it, which is renamed into
+place (a replaced record is renamed aside first and removed after), so a reader sees the old
+record or the new one. A record that differs from the ledger's is refused unless ``overwrite``.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from capsctl.atomic import fsync_dir, write_atomic
 from capsctl.errors import CapsctlError
-from capsctl.suites.runner import TESTS_FILE, is_finished, missing_tests, read_json
+from capsctl.suites.runner import (
+    TESTS_FILE,
+    Pair,
+    check_folder_is_pair,
+    is_finished,
+    missing_tests,
+    plan_pairs,
+    read_json,
+)
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
     "RECORD_FILES",
+    "ArchiveResult",
+    "archive_suite",
     "pick_pair_folder",
     "robustness_or_note",
     "run_difference",
@@ -108,7 +128,7 @@ def score_or_note(
     if score and has_weights:
         score_run(suite, folder, **kw)
         return
-    why = "scoring is off" if has_weights else "it has no checkpoint to score them with"
+    why = "scoring is off" if has_weights else "no checkpoint to score with"
     notes.append(
         f"{label}: not scored on {', '.join(lacking)} ({why}); left out of "
         f"{'that test file' if len(lacking) == 1 else 'those test files'}"
@@ -129,3 +149,127 @@ def robustness_or_note(
         )
         return {}
     return run_robustness(folder, settings, data_dir=data_dir, on_event=on_event)
+
+
+@dataclass
+class ArchiveResult:
+    """Per pair of the archived folders: ``added``, ``replaced``, ``kept`` (the ledger already
+    holds that record), ``unscored`` (finished, not scored on every test file: not archived)
+    or ``unfinished`` (not archived)."""
+
+    ledger: str
+    pairs: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ledger": self.ledger, "pairs": self.pairs}
+
+
+def _record(folder: Path) -> dict[str, bytes]:
+    """The record files ``folder`` holds, by name."""
+    return {n: (folder / n).read_bytes() for n in RECORD_FILES if (folder / n).is_file()}
+
+
+def _ready(suite: Suite, pair: Pair) -> dict[str, Any] | None:
+    """Why the pair's folder is not archived (``unscored``, ``unfinished``), ``{}`` when it is
+    ready, None when it has no folder."""
+    if not pair.folder.is_dir():
+        return None
+    if not is_finished(read_json(pair.folder / "results.json")):
+        return {"status": "unfinished"}
+    lacking = missing_tests(suite, pair.folder)
+    return {"status": "unscored", "missing": lacking} if lacking else {}
+
+
+def _refuse(target: Path, old: dict[str, bytes], new: dict[str, bytes], pair: Pair) -> str:
+    """The one line refusing to replace the record ``old`` in ``target`` by ``new``."""
+    diff = run_difference(target, pair.folder)
+    if diff is None:
+        names = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+        diff = f"{names[0]} differs"
+    return (
+        f"{target}: holds another record of {pair.label} than {pair.folder} ({diff}); pass "
+        "--overwrite to replace it"
+    )
+
+
+def archive_suite(
+    suite: Suite, sources: Sequence[Path], ledger: Path, *, overwrite: bool = False
+) -> ArchiveResult:
+    """Keep the finished, scored pairs of ``sources`` (run folders of ``capsctl suite run``, or
+    ledgers) as records in ``ledger``. Nothing is written when a record would replace a
+    differing one without ``overwrite``, a pair differs between two sources, or a target holds
+    more than a record (CapsctlError, one line)."""
+    plan: dict[Path, tuple[Pair, dict[str, bytes]]] = {}
+    pairs = []
+    for source in sources:
+        for pair in plan_pairs(suite, Path(source)):
+            entry = {"member": pair.member.name, "seed": pair.seed, "from": str(pair.folder)}
+            why = _ready(suite, pair)
+            if why is None:
+                continue
+            pairs.append({**entry, **why})
+            if why:
+                continue
+            check_folder_is_pair(suite, pair)
+            target = ledger / pair.member.name / f"seed-{pair.seed}"
+            files, old = _record(pair.folder), _record(target)
+            pairs[-1]["to"] = str(target)
+            if target in plan:
+                first = plan[target][0].folder
+                if plan[target][1] != files:
+                    diff = run_difference(first, pair.folder) or "their record files differ"
+                    raise CapsctlError(
+                        f"{pair.label}: finished in {first} and in {pair.folder} with different "
+                        f"results ({diff}); archive one of the two"
+                    )
+                pairs[-1]["status"] = "kept"
+            elif old == files:
+                pairs[-1]["status"] = "kept"
+            elif old and not overwrite:
+                raise CapsctlError(_refuse(target, old, files, pair))
+            else:
+                _check_target(target)
+                plan[target] = (pair, files)
+                pairs[-1]["status"] = "replaced" if old else "added"
+    for target, (_, files) in plan.items():
+        _write_record(target, files)
+    return ArchiveResult(str(ledger), pairs)
+
+
+def _check_target(target: Path) -> None:
+    """Refuse to replace a folder holding more than a record (a run folder's checkpoints)."""
+    if not target.is_dir():
+        return
+    extra = sorted(p.name for p in target.iterdir() if p.name not in RECORD_FILES)
+    if extra:
+        raise CapsctlError(
+            f"{target}: holds {', '.join(extra[:3])}, which no record has; archive into a "
+            "ledger of its own, not into a run folder"
+        )
+
+
+def _write_record(target: Path, files: dict[str, bytes]) -> None:
+    """Write a record whole: staged next to ``target``, then renamed into place."""
+    tag = f"{os.getpid()}.{secrets.token_hex(4)}"
+    stage = target.with_name(f".{target.name}.{tag}.new")
+    aside = target.with_name(f".{target.name}.{tag}.old")
+    try:
+        stage.mkdir(parents=True)
+        for name, data in files.items():
+            write_atomic(stage / name, data)
+        fsync_dir(stage)
+        if target.exists():
+            os.rename(target, aside)
+        os.rename(stage, target)
+        fsync_dir(target.parent)
+    except (OSError, CapsctlError) as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        if aside.exists() and not target.exists():
+            os.rename(aside, target)
+        if isinstance(e, CapsctlError):
+            raise
+        raise CapsctlError(
+            f"cannot write {target}: {e.strerror or e}; check that the folder is writable and "
+            "that no other archive writes that record now"
+        ) from None
+    shutil.rmtree(aside, ignore_errors=True)
