@@ -26,6 +26,13 @@ SMALL = {
     ],
     "input_size": 16,
 }
+# the fused ops each routing algorithm's passes must call
+OPS = {
+    "idpa": ("ops", "triton_routed"),
+    "dynamic": ("ops", "triton_routed"),
+    "em": ("em_ops", "triton_em_moments", "triton_em_quad"),
+    "self": ("ops", "triton_gated"),
+}
 PRESETS = {
     "idpa": "cifar10-caps-simple",
     "dynamic": "cifar10-dynamic-simple",
@@ -69,7 +76,21 @@ def _model(router: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("router", ["idpa", "dynamic", "em", "self"])
-def test_a_training_step_through_the_triton_passes_equals_the_torch_code(router: str) -> None:
+def test_a_training_step_through_the_triton_passes_equals_the_torch_code(
+    router: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    module = importlib.import_module(f"capsctl.layers.backend.triton.{OPS[router][0]}")
+    calls: dict[str, int] = {}
+    for name in OPS[router][1:]:
+        op = getattr(module, name)
+
+        def counted(*args, _op=op, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            calls[_name] = calls.get(_name, 0) + 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
     model = _model(router)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
 
@@ -83,6 +104,7 @@ def test_a_training_step_through_the_triton_passes_equals_the_torch_code(router:
     with dispatch.use("triton"):
         fused = step()
     assert dispatch.ran().get("triton", 0) > 0, dispatch.ran()
+    assert sorted(calls) == sorted(OPS[router][1:]), calls  # the fused kernels ran
     with dispatch.use("chunked"):
         slow = step()
     assert len(fused) == len(slow) > 1
