@@ -96,13 +96,11 @@ def last_level_cache(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
 
 def vote_chunk_bytes(like: Tensor, fixed: int = 0) -> int:
     """Bytes of votes per chunk of a vote-sized pass over tensors on ``like``'s device:
-    ``fixed`` when > 0 (a module's override); else on a CPU ``CAPSCTL_CHUNK_MIB`` MiB when set,
-    or 1/16 of the last-level cache (between 1 and 16 MiB); on an accelerator
-    :data:`DEVICE_CHUNK_BYTES`. Raises :class:`~capsctl.errors.UsageError` for a
+    ``fixed`` when > 0 on a CPU (a module's override); else ``CAPSCTL_CHUNK_MIB`` MiB when set,
+    on every device; else on a CPU 1/16 of the last-level cache (between 1 and 16 MiB), on an
+    accelerator :data:`DEVICE_CHUNK_BYTES`. Raises :class:`~capsctl.errors.UsageError` for a
     ``CAPSCTL_CHUNK_MIB`` that is not a positive number."""
-    if like.device.type != "cpu":
-        return DEVICE_CHUNK_BYTES
-    if fixed > 0:
+    if fixed > 0 and like.device.type == "cpu":
         return fixed
     env = os.environ.get(CHUNK_ENV, "").strip()
     if env:
@@ -113,6 +111,8 @@ def vote_chunk_bytes(like: Tensor, fixed: int = 0) -> int:
         if not (math.isfinite(mib) and mib > 0):
             raise UsageError(f"{CHUNK_ENV} must be a positive number of MiB, got {env!r}")
         return max(1, int(mib * 2**20))
+    if like.device.type != "cpu":
+        return DEVICE_CHUNK_BYTES
     share = last_level_cache() // CACHE_FRACTION
     return max(MIN_CPU_CHUNK, min(MAX_CPU_CHUNK, share))
 

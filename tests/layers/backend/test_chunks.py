@@ -67,7 +67,7 @@ def test_a_cpu_chunk_is_a_sixteenth_of_the_cache(monkeypatch: pytest.MonkeyPatch
     assert vote_chunk_bytes(torch.empty(1, device="meta"), 700) == 64 * 2**20
 
 
-def test_the_environment_sets_a_cpu_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_sets_the_chunk_on_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chunks, "last_level_cache", lambda: 32 * 2**20)
     cpu = torch.empty(1)
     monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "8")
@@ -75,7 +75,10 @@ def test_the_environment_sets_a_cpu_chunk(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("CAPSCTL_CHUNK_MIB", " 0.5 ")
     assert vote_chunk_bytes(cpu) == 2**19  # the user's choice, not clamped
     assert vote_chunk_bytes(cpu, 700) == 700
-    assert vote_chunk_bytes(torch.empty(1, device="meta")) == 64 * 2**20  # CPU only
+    assert vote_chunk_bytes(torch.empty(1, device="meta")) == 2**19  # an accelerator's too
+    monkeypatch.delenv("CAPSCTL_CHUNK_MIB")
+    assert vote_chunk_bytes(torch.empty(1, device="meta")) == 64 * 2**20
+    monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "8")
     for bad in ("0", "-2", "lots", "inf", "nan"):
         monkeypatch.setenv("CAPSCTL_CHUNK_MIB", bad)
         with pytest.raises(UsageError, match="CAPSCTL_CHUNK_MIB must be a positive number"):
