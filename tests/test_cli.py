@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -454,3 +456,49 @@ def test_eval_confusion_table_keeps_every_number_and_class(
         assert cells[:2] == [f"{100 * acc:.1f}%", str(sum(counts))], out
         assert cells[2:] == [str(c) for c in counts], rows
     assert "Ankle" in out
+
+
+# --------------------------------------------------------------------------------------------
+# A named pipe is refused, never read (issue 26, finding 10): reading one waits for a writer
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this platform")
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["inspect-routing", "{fifo}", "--random", "2"], "pass a .safetensors file"),
+        (["robustness", "{fifo}", "--limit", "4", "--device", "cpu"], "pass a .safetensors file"),
+        (["train", "--resume", "{fifo}", "--out", "new-run"], "pass a .safetensors file"),
+        (["compare", "{fifo}"], "pass a checkpoint, preset or model folder"),
+        (["train", "--preset", "{yaml}"], "pass a preset name or the path of a .yaml file"),
+        (["plot", "{run}"], "pass a run folder written by capsctl train"),
+    ],
+)
+def test_a_named_pipe_is_refused_in_one_line_not_read(
+    args: list[str], words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = {
+        "fifo": tmp_path / "pipe.safetensors",
+        "yaml": tmp_path / "pipe.yaml",
+        "run": tmp_path / "run",
+    }
+    paths["run"].mkdir()
+    for path in (paths["fifo"], paths["yaml"], paths["run"] / "metrics.jsonl"):
+        os.mkfifo(path)
+    args = [a.format(**paths) for a in args]
+
+    def stuck(*_: object) -> None:
+        raise TimeoutError("the command is reading the named pipe")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(60)  # without the check, the command waits here for a writer forever
+    try:
+        code, out, err = run_cli(capsys, args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    (line,) = err.strip().splitlines()
+    assert code in (1, 2) and "not a regular file" in line and words in line, err
+    assert any(str(p) in line for p in (paths["fifo"], paths["yaml"], paths["run"]))
+    assert not Path("new-run").exists()

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import secrets
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -211,10 +212,16 @@ def _invalid(path: Path, detail: str) -> CheckpointError:
 def _read_raw_header(path: Path) -> tuple[bytes, int]:
     """The header bytes and the file size; refuses folders, pickles and impossible lengths."""
     try:
-        size = path.stat().st_size
-        if path.is_dir():
+        info = path.stat()
+        size = info.st_size
+        if stat.S_ISDIR(info.st_mode):
             raise CheckpointError(
                 f"{path} is a folder, not a checkpoint file; pass a .safetensors file"
+            )
+        if not stat.S_ISREG(info.st_mode):  # reading a named pipe would wait for a writer
+            raise CheckpointError(
+                f"{path}: not a regular file (a named pipe, socket or device); pass a "
+                ".safetensors file"
             )
         with open(path, "rb") as file:
             prefix = file.read(8)

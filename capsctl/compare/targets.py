@@ -138,6 +138,11 @@ def find_target(spec: str) -> Target:
             return _preset_target(path, path.stem)
         return _checkpoint_target(text, path)
     if path.suffix.lower() in _CHECKPOINT_SUFFIXES + _PRESET_SUFFIXES:
+        if path.exists():
+            raise UsageError(
+                f"{text}: not a regular file (a named pipe, socket or device); pass a "
+                "checkpoint, preset or model folder"
+            )
         raise UsageError(f"{text} does not exist; check the path")
     if text in ALIASES:
         return Target(ALIASES[text], "model", get_config(ALIASES[text]), None, None)

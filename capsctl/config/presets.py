@@ -76,6 +76,11 @@ def _find_preset(name_or_path: str | os.PathLike[str]) -> Path:
     name_or_path = os.fspath(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.suffix in _PRESET_SUFFIXES or "/" in name_or_path or "\\" in name_or_path:
+        if path.exists() and not path.is_file():
+            raise ConfigError(
+                f"preset file {name_or_path}: not a regular file (a folder, named pipe, socket "
+                "or device); pass a preset name or the path of a .yaml file"
+            )
         if not path.is_file():
             raise ConfigError(
                 f"preset file {name_or_path} does not exist; pass a preset name or the path "

@@ -50,6 +50,11 @@ def _read_text(path: Path) -> str:
             f"{folder} has no {METRICS_FILE}; train it first (capsctl train --preset NAME "
             f"--out {folder}) or pass another run folder"
         )
+    if not path.is_file():  # reading a named pipe would wait for a writer
+        raise UsageError(
+            f"{path}: not a regular file (a named pipe, socket or device); pass a run folder "
+            "written by capsctl train"
+        )
     try:
         return path.read_bytes().decode("utf-8", errors="replace")
     except OSError as e:
