@@ -6,6 +6,8 @@ import csv
 import io
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from conftest import run_cli
 
 from capsctl.errors import CapsctlError
 from capsctl.suites import load_suite, report_suite
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SUITE = "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1, t2]\nmembers:\n  - name: caps\n"
 
@@ -245,3 +249,18 @@ def test_a_restored_record_counts_as_finished(tmp_path: Path) -> None:
     preset = preset_to_dict(resolved_pair_preset(suite, pair))
     (folder / "preset.yaml").write_text(to_yaml({**preset, "restored_from": {"rows": [2]}}))
     check_folder_is_pair(suite, pair)
+
+
+def test_the_shipped_results_file_is_the_report_of_the_shipped_ledger() -> None:
+    """capsctl/results/cifar10-fast-cpu.csv is what ``capsctl suite report`` makes of the
+    ledger in benchmarks/suites/ (run in a process of its own, as the command is: a FLOP count
+    can depend on which routing passes ran before in the same process)."""
+    ledger = ROOT / "benchmarks/suites/cifar10-fast-cpu"
+    suite = load_suite(ledger / "suite.yaml")
+    args = ["suite", "report", str(ledger), "--no-score", "--csv"]
+    done = subprocess.run(
+        [sys.executable, "-m", "capsctl", *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    shipped = (ROOT / "capsctl/results" / suite.results).read_text(encoding="utf-8")
+    assert done.stdout == shipped
