@@ -60,6 +60,9 @@ def test_rows_have_fields_and_positive_numbers(with_resnet: Run) -> None:
         assert r.peak_device_bytes is None
     assert resnet.iterations is None and resnet.routing is None
     assert caps.iterations == 2 and caps.routing == "concurrent"
+    # which implementation ran the routing's passes: none for ResNet-18
+    assert resnet.routing_backend is None
+    assert caps.routing_backend in ("native", "chunked", "native+chunked")
     d = caps.to_dict()
     assert set(d) == {f.name for f in BenchRow.__dataclass_fields__.values()}
     assert d["name"] == "tiny-caps"
@@ -163,6 +166,16 @@ def test_compile_times_the_compiled_model(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(measure.torch, "compile", fake_compile)
     (row,) = run_bench([tiny()], compile=True, batch_size=2, iters=1, warmup=1)
     assert len(compiled) == 1 and isinstance(compiled[0], CapsNet) and row.compiled
+
+
+def test_the_rows_say_which_backend_ran_the_passes() -> None:
+    from capsctl.layers import dispatch
+
+    with dispatch.use("chunked"):
+        (row,) = run_bench([tiny()], **FAST)
+    assert row.routing_backend == "chunked"
+    assert "routing_backend" in rows_to_csv([row]).splitlines()[0].split(",")
+    assert rows_to_csv([row]).splitlines()[1].endswith(",chunked")
 
 
 def test_no_override_keeps_config_routing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -359,7 +372,7 @@ BENCH_HEADER = (
     "model,infer_samples_per_sec,infer_step_time,infer_batch_size,infer_img_size,"
     "train_samples_per_sec,train_step_time,train_batch_size,train_img_size,param_count,"
     "arch,device,iterations,routing,train_step_time_min,train_ratio,infer_ratio,"
-    "peak_rss_bytes,peak_device_bytes,params"
+    "peak_rss_bytes,peak_device_bytes,params,routing_backend"
 )
 
 
@@ -412,6 +425,7 @@ def test_rows_to_csv_header_and_units() -> None:
         "peak_rss_bytes": str(300 * MB),
         "peak_device_bytes": "",
         "params": "1234567",
+        "routing_backend": "",
     }
 
 

@@ -26,6 +26,7 @@ from capsctl.config import build_model, resolve_config
 from capsctl.devices import autocast, flush_denormals, resolve_device
 from capsctl.errors import UsageError
 from capsctl.events import EventFn, emit
+from capsctl.layers import dispatch
 from capsctl.models import parameter_counts
 from capsctl.models.spec import ModelConfig
 
@@ -186,11 +187,13 @@ def _measure(
         caps_iterations, caps_routing = _apply_routing(model, s.iterations, s.routing)
         run: nn.Module = torch.compile(model) if s.compile else model  # type: ignore[assignment]
         timer = _Timer(dev, label, s.warmup, s.iters, on_event)
+        dispatch.reset_ran()
         with autocast(dev, s.amp):
             train_s = _time_training(run, x, y, timer) if s.train else []
             infer_s = _time_inference(run, x, timer) if s.infer else []
 
     infer_median = statistics.median(infer_s) if infer_s else None
+    ran = dispatch.ran()  # the passes' backends (compiled: those seen while tracing)
     return BenchRow(
         name=label,
         arch=cfg.arch,
@@ -208,6 +211,7 @@ def _measure(
         amp=s.amp,
         channels_last=s.channels_last,
         compiled=s.compile,
+        routing_backend="+".join(b for b in dispatch.BACKENDS if b in ran) or None,
     )
 
 

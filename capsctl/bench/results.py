@@ -44,6 +44,9 @@ class BenchRow:
     amp: bool = False  # forward passes under bf16 autocast
     channels_last: bool = False  # model and inputs in channels_last memory format
     compiled: bool = False  # timed torch.compile(model)
+    # the implementations the vote-sized passes ran (capsctl/layers/backend/dispatch.py:
+    # "native", "triton", "chunked", "dense", joined by "+" when several); None: no routing
+    routing_backend: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,6 +120,7 @@ BENCH_CSV_COLUMNS = (
     "peak_rss_bytes",
     "peak_device_bytes",
     "params",
+    "routing_backend",
 )
 
 
@@ -151,6 +155,7 @@ def _csv_row(row: BenchRow) -> dict[str, Any]:
         "peak_rss_bytes": row.peak_rss_bytes,
         "peak_device_bytes": row.peak_device_bytes,
         "params": row.params,
+        "routing_backend": row.routing_backend,
     }
 
 
@@ -161,7 +166,8 @@ def rows_to_csv(rows: Sequence[BenchRow]) -> str:
     median step in milliseconds (inference: ``batch_size`` / ``infer_samples_per_sec``),
     ``*_batch_size``/``*_img_size`` empty for a phase that was not measured, ``param_count``
     in millions (2 decimals). Then capsctl's: exact ``params``, the fastest training step
-    (``train_step_time_min``, ms), ratios to resnet18 and peak memory in bytes.
+    (``train_step_time_min``, ms), ratios to resnet18, peak memory in bytes and the backend
+    the routing's passes ran (``routing_backend``).
     """
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")

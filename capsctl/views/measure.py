@@ -16,7 +16,8 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
     from capsctl.layers import native_summary
 
     ref = any(r.name == "resnet18" for r in rows)
-    cols = ["model", "params", "T", "routing", "train step", "min", "infer img/s", "peak mem"]
+    cols = ["model", "params", "T", "routing", "passes", "train step", "min", "infer img/s"]
+    cols.append("peak mem")
     if ref:
         cols += ["train vs resnet18", "infer vs resnet18"]
     body = []
@@ -27,6 +28,7 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
             fmt_int(r.params),
             r.iterations or "-",
             r.routing or "-",
+            r.routing_backend or "-",
             fmt_s(r.train_step_s),
             fmt_s(r.train_step_min_s),
             "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
@@ -51,10 +53,12 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
         + "".join(f"  {m}" for m in modes)
         + (f"  routing: {native_summary()}" if first.device == "cpu" else "")
     )
-    out.print(table(title, cols, body, right=(1, 2, 4, 5, 6, 7, 8, 9)))
+    out.print(table(title, cols, body, right=(1, 2, 5, 6, 7, 8, 9, 10)))
     note(
         "peak mem: resident memory of the whole process while the model ran (device memory on GPU)"
     )
+    note("passes: what ran the routing's vote-sized passes (native: compiled CPU loops, triton:")
+    note("fused GPU kernels, chunked: torch code, dense: one expression; CAPSCTL_DEBUG says why)")
 
 
 def _times(r: float) -> str:
