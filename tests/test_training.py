@@ -190,6 +190,46 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
     load_checkpoint(tmp_path / LAST)
 
 
+def test_on_an_accelerator_the_loss_is_read_every_few_steps_and_a_bad_step_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the loop keeps the first non-finite step on the device and reads it (with the
+    loss shown) every SYNC_EVERY steps and at an epoch's end; simulated here on the CPU."""
+    import types
+
+    import capsctl.losses as losses
+    from capsctl.training import trainer
+
+    start = trainer._EpochStats.start.__func__  # noqa: SLF001
+
+    def on_device(cls, device, partial):  # type: ignore[no-untyped-def]
+        stats = start(cls, device, partial)
+        stats.first_bad = torch.full((), -1, dtype=torch.int64)  # as on an accelerator
+        return stats
+
+    monkeypatch.setattr(trainer._EpochStats, "start", classmethod(on_device))  # noqa: SLF001
+    monkeypatch.setattr(trainer, "SYNC_EVERY", 4)
+    calls = {"n": 0}
+    real = torch.nn.functional
+
+    def cross_entropy(*args: object, **kw: object) -> torch.Tensor:
+        loss = real.cross_entropy(*args, **kw)  # type: ignore[arg-type]
+        calls["n"] += 1
+        return loss * float("nan") if calls["n"] == 6 + 1 + 2 else loss  # epoch 2, step 2
+
+    monkeypatch.setattr(losses, "F", types.SimpleNamespace(cross_entropy=cross_entropy))
+    steps: list[tuple[int, int]] = []
+
+    def seen(e: dict) -> None:
+        if e["event"] == "step":
+            steps.append((e["epoch"], e["step"]))
+
+    with pytest.raises(CapsctlError, match=r"loss became nan at epoch 2, step 2; the last good"):
+        fit(tiny_preset(), tmp_path, on_event=seen)
+    assert steps == [(1, 4), (1, 6)]  # read at step 4 and at the epoch's end; stopped at (2, 4)
+    assert read_metadata(tmp_path / LAST)["epoch"] == 1
+
+
 def test_evaluate_checkpoint_val_and_test(tmp_path: Path) -> None:
     fit(tiny_preset(epochs=1), tmp_path)
     test, meta = evaluate_checkpoint(tmp_path / BEST, split="test", device="cpu")

@@ -92,6 +92,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    # fixed shapes: cuDNN picks its fastest convolution once per shape (not reproducibly)
+    torch.backends.cudnn.benchmark = not deterministic
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)

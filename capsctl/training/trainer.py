@@ -47,6 +47,10 @@ from capsctl.training.setup import RunSetUp
 
 __all__ = ["FitResult", "Interrupted", "Trainer", "fit"]
 
+#: On an accelerator, steps between reads of the loss (its finiteness and the progress shown):
+#: every read waits for the device to finish its queued work.
+SYNC_EVERY = 25
+
 
 def fit(
     preset: Preset,
@@ -97,12 +101,17 @@ class _EpochStats:
     correct: Tensor
     seen: int = 0
     resumed_seen: int = 0  # images done before an interruption (for the speed shown)
+    # on an accelerator: the first step whose loss was not finite (-1: none), read every
+    # SYNC_EVERY steps instead of after each step (each read waits for the device)
+    first_bad: Tensor | None = None
 
     @classmethod
     def start(cls, device: torch.device, partial: dict[str, Any] | None) -> _EpochStats:
         stats = cls(
             torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.int64)
         )
+        if device.type != "cpu":
+            stats.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
         if partial:
             stats.loss_sum += float(partial["loss_sum"])
             stats.correct += int(partial["correct"])
@@ -199,10 +208,7 @@ class Trainer(RunSetUp, RunEnd):
             logits = self.step_fn(x)
             progress = self.budget.progress(epoch * self.steps_per_epoch + step)
             loss = self.loss_fn(logits.float(), y, progress)
-        # with several processes, every rank learns of a bad loss or a Ctrl-C at once
-        bad, flag["stop"] = self.dist.any_flags(not bool(torch.isfinite(loss)), flag["stop"])
-        if bad:
-            self._non_finite(loss, epoch, step)
+        self._check_finite(loss, epoch, step, stats, flag)
         clock.lap("forward")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -217,7 +223,8 @@ class Trainer(RunSetUp, RunEnd):
         stats.loss_sum += loss.detach() * y.numel()
         stats.correct += count_correct(logits.detach(), y)
         stats.seen += int(y.numel())
-        if self.on_event is not None:
+        report = stats.first_bad is None or (step + 1) % SYNC_EVERY == 0
+        if self.on_event is not None and (report or step + 1 == self.steps_per_epoch):
             elapsed = max(time.perf_counter() - t0, 1e-9)
             self.on_event(
                 {
@@ -231,6 +238,27 @@ class Trainer(RunSetUp, RunEnd):
                     "images_per_s": (stats.seen - stats.resumed_seen) / elapsed,
                 }
             )
+
+    def _check_finite(
+        self, loss: Tensor, epoch: int, step: int, stats: _EpochStats, flag: dict[str, bool]
+    ) -> None:
+        """A non-finite loss ends the run. On a CPU it is seen at once; on an accelerator the
+        first bad step is kept on the device and read every :data:`SYNC_EVERY` steps and at
+        the end of the epoch, so that steps never wait for the device."""
+        last = step + 1 == self.steps_per_epoch
+        if stats.first_bad is None:
+            bad_now = not bool(torch.isfinite(loss))
+        else:
+            first = torch.where(torch.isfinite(loss), -1, step)
+            stats.first_bad = torch.where(stats.first_bad < 0, first, stats.first_bad)
+            if not (last or (step + 1) % SYNC_EVERY == 0):
+                return
+            bad_now = int(stats.first_bad) >= 0
+        # with several processes, every rank learns of a bad loss or a Ctrl-C at once
+        bad, flag["stop"] = self.dist.any_flags(bad_now, flag["stop"])
+        if bad:
+            at = step if stats.first_bad is None else max(int(stats.first_bad), 0)
+            self._non_finite(loss, epoch, at)
 
     def _non_finite(self, loss: Tensor, epoch: int, step: int) -> None:
         last = self.out / files.LAST
