@@ -53,6 +53,10 @@ def bench_cmd(
         raise UsageError("--train and --infer exclude each other; give neither to measure both")
     if json_out and csv_out:
         raise UsageError("--json and --csv exclude each other")
+    if compile_:
+        from capsctl.compile_cache import use_private_compile_cache
+
+        use_private_compile_cache()  # never the shared $TMPDIR/torchinductor_<user>
     with simple_progress("bench", quiet=json_out or csv_out) as on_event:
         rows = run_bench(
             models,

@@ -25,6 +25,7 @@ from capsctl.checkpoint import (
     stored_preset,
     unpack_training_state,
 )
+from capsctl.compile_cache import use_private_compile_cache
 from capsctl.config import Preset, dump_yaml, preset_to_dict
 from capsctl.data import Loader
 from capsctl.data.prepare import RunData, prepare_data
@@ -71,6 +72,8 @@ class RunSetUp:
         between steps before anything is written."""
         t, dist = self.t, self.dist
         flag = flag if flag is not None else {"stop": False}
+        if t.compile:  # before any data loads: torch.compile's code only from a private folder
+            use_private_compile_cache()
         fork = resume is not None and not _same_folder(Path(resume).parent, self.out)
         if dist.is_main:
             files.check_out_dir(self.out, resume is not None and not fork, overwrite)

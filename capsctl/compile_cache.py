@@ -1,0 +1,118 @@
+"""Where ``torch.compile`` keeps, and loads again, the code it generates: a folder of this user's
+that no other user can write to.
+
+TorchInductor's default is ``$TMPDIR/torchinductor_<user>``: a predictable name in a folder
+every user can write to, whose compiled libraries and pickled graphs it loads without asking
+who made them. :func:`use_private_compile_cache` points it (``TORCHINDUCTOR_CACHE_DIR``) at
+``inductor/`` in capsctl's cache (``$CAPSCTL_CACHE``, else ``$XDG_CACHE_HOME/capsctl`` or
+``~/.cache/capsctl``; empty variables count as unset), made private; where that cannot be
+used, at a fresh private temporary folder (nothing is reused between runs then). A folder the
+user names in ``TORCHINDUCTOR_CACHE_DIR`` (other than that default, which torch itself writes
+there once used) is kept, and refused when another user owns it or
+can write to it. Imports nothing of torch: call it before the first compilation.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import re
+import stat
+import tempfile
+from pathlib import Path
+
+from capsctl.errors import CapsctlError
+
+__all__ = ["COMPILE_CACHE_ENV", "unsafe_folder", "use_private_compile_cache"]
+
+#: TorchInductor's environment variable for its cache folder.
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+log = logging.getLogger(__name__)
+
+
+def unsafe_folder(path: Path) -> str | None:
+    """Why code must not be loaded from the folder ``path``, or None: it must be a folder of
+    this user that no other user can write to."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"belongs to another user (uid {info.st_uid}, you are {os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _cache_root() -> Path | None:
+    """capsctl's cache folder, or None where this user has no home folder."""
+    env = os.environ.get("CAPSCTL_CACHE", "").strip()
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "capsctl"
+    home = os.environ.get("HOME", "").strip()
+    if not home and hasattr(os, "getuid"):
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (ImportError, KeyError):
+            home = ""
+    return Path(home) / ".cache" / "capsctl" if home else None
+
+
+def use_private_compile_cache() -> Path:
+    """Point ``torch.compile``'s cache at a private folder and return it (see the module's
+    docstring); :class:`CapsctlError` when ``TORCHINDUCTOR_CACHE_DIR`` names a folder others
+    can write to."""
+    given = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if given and os.path.abspath(given) != _torch_default():  # torch sets it on first use
+        folder = Path(given)
+        why = unsafe_folder(folder) if folder.exists() else None
+        if why is not None:
+            raise CapsctlError(
+                f"{COMPILE_CACHE_ENV}={given}: the folder {why}, and torch.compile loads code "
+                f"from it; make it private (chown to yourself, chmod go-w) or unset "
+                f"{COMPILE_CACHE_ENV}"
+            )
+        return folder
+    folder = _private_cache_folder()
+    os.environ[COMPILE_CACHE_ENV] = str(folder)
+    return folder
+
+
+def _torch_default() -> str:
+    """TorchInductor's own default folder (torch._inductor.runtime.cache_dir_utils), which torch
+    also writes into ``TORCHINDUCTOR_CACHE_DIR`` once it has used it."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ImportError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + user))
+
+
+def _private_cache_folder() -> Path:
+    root = _cache_root()
+    if root is not None:
+        folder = root / "inductor"
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            why = unsafe_folder(folder)
+        except OSError as e:
+            why = f"cannot be made ({e.strerror})"
+        if why is None:
+            return folder
+        log.warning(
+            "not keeping torch.compile's code in %s: it %s; using a private temporary folder "
+            "(make it private with chmod go-w, or set CAPSCTL_CACHE to a private folder)",
+            folder,
+            why,
+        )
+    return Path(tempfile.mkdtemp(prefix="capsctl-inductor-"))
