@@ -1,234 +1,854 @@
-"""GPU readiness check: speed of the capsule models against ResNet-18, the routed pass's chunk
-size, and time to accuracy of two training recipes, in one command that fits in 15 minutes.
+"""GPU check: every routing algorithm's fused passes against the torch code, their training step
+and peak memory against ResNet-18 (eager and compiled), and the paper's model trained against
+the clock, in parts that each fit in one 10-minute command on a borrowed GPU machine.
 
-    python scripts/gpu_check.py                      # on a CUDA machine, CIFAR-10 in $CAPSCTL_DATA
-    python scripts/gpu_check.py --dry-run            # anywhere: the same code at toy sizes (CI)
+Here, once: build the CIFAR-10 subset that travels with the code (the GPU machine has no
+CIFAR-10 and no network): 15,000 class-balanced training images and the 1,000 exact test
+images, about 43 MiB in ``gpu-data/`` (ignored by git; scripts/make_gpu_check_data.py):
 
-1. Bench, batch 128: ResNet-18, cifar10-caps, cifar10-caps-simple (concurrent and sequential),
-   each in fp32, bf16 autocast + channels_last, and the same compiled (``torch.compile``); the
-   ratios are to ResNet-18 under the same settings.
-2. Chunk size of the routed passes (capsctl/layers/backend/chunks.py): cifar10-caps-simple
-   sequential, one training step at several ``DEVICE_CHUNK_BYTES``.
-3. Training: ``cifar10-caps-fast`` as its preset says and ``cifar10-caps`` on a one-cycle
-   schedule fitted to ``--minutes``, both in bf16 with channels_last and a 5,000-image
-   validation split; reports the seconds to 90% and 94% validation accuracy and the final test
-   accuracy.
+    python scripts/make_gpu_check_data.py --data /path/to/data    # or with $CAPSCTL_DATA set
 
-``--dry-run`` runs every step on the CPU at toy sizes (batch 2, one timed step, two training
-steps on a tiny synthetic CIFAR-10 folder), so the script cannot rot where no GPU is; compiled
-rows are skipped on a CPU without a C++ compiler. ``--json FILE`` writes every figure.
+On the GPU machine, from the repository's root, with ``gpu-data`` carried along (capsctl is
+not installed there and needs not be: its torch, triton, typer, rich, pyyaml and safetensors
+are used as they are; nothing is downloaded; the part files go to ``--out``):
+
+    PYTHONPATH=. python scripts/gpu_check.py --part check --part bench --out $OUT  # ~4-6 min
+    PYTHONPATH=. python scripts/gpu_check.py --part train --minutes 4 --data-dir gpu-data \
+        --out $OUT                                                                 # ~5 min
+    PYTHONPATH=. python scripts/gpu_check.py --part compile --out $OUT             # <= 8 min
+
+Anywhere: ``python scripts/gpu_check.py --summary DIR`` prints the markdown tables of the part
+files in DIR (gather the files of several commands in one folder first), ready for the README;
+``--dry-run --part all --out DIR`` runs every part on the CPU at toy sizes (batch 2, one timed
+step, fewer models in bench and compile, two training steps on a tiny synthetic CIFAR-10 folder
+unless ``--data-dir`` is given; torch.compile with the ``aot_eager`` backend, which captures the
+graph without generating C++), so CI keeps the script working where no GPU is.
+
+Parts (``--part``, repeatable, or ``all``, the default). Each writes ``OUT/gpu-check-<part>.json``,
+rewritten atomically after every row (a command stopped at its limit leaves every finished
+row), prints its rows as they come, ends with its table and rewrites ``OUT/gpu-check-summary.md``
+(the tables of all part files in OUT): at most five files. A row that fails is recorded with its
+error and the part goes on; a part starts no row that would end after ``--part-minutes``
+(default 7.5) at the pace of its slowest row so far, and records those as skipped. The minutes
+on one H200 are estimates until measured:
+
+- ``check`` (1-2 minutes, mostly Triton compiling its kernels): a forward and backward pass at
+  batch 8 of cifar10-caps, cifar10-caps-simple (sequential), cifar10-dynamic-simple,
+  cifar10-em-simple and cifar10-self-simple, in fp32 and under bf16 autocast, with the default
+  passes (the fused ones on a GPU) and inside ``dispatch.use("chunked")`` (the torch code), same
+  seed, weights and batch: the largest difference of the logits and of each parameter's
+  gradient relative to the torch code's largest value (a gradient's denominator is at least
+  1e-3 of the model's largest gradient, so the near-zero gradients of biases before a BatchNorm
+  do not count); ``ok``: at most 1e-2 (fp32) or 1e-1 (bf16); which backends ran.
+- ``bench`` (3-5 minutes): training step and inference at batch 128 (2 warm-up and 5 timed
+  steps, the median) of ResNet-18 and of cifar10-caps (T=2 concurrent), cifar10-caps-simple
+  sequential T=2 and T=3, cifar10-dynamic(-simple), cifar10-em(-simple) and
+  cifar10-self(-simple), in fp32 and in bf16 autocast + channels_last (a model that cannot take
+  channels_last is measured without it, and marked so); the capsule models with the default
+  ("fused") passes first, then with the torch code; peak GPU memory
+  (``torch.cuda.max_memory_allocated``) and both ratios to ResNet-18 in the same setting; the
+  backend the routing passes ran (``BenchRow.routing_backend``, else the dispatch's tally).
+- ``compile`` (up to 8 minutes, mostly compiling): bf16 + channels_last + ``torch.compile``
+  training steps (no inference) of ResNet-18, cifar10-caps, cifar10-caps-simple (sequential),
+  cifar10-self-simple, cifar10-dynamic-simple and cifar10-em-simple, with peak memory.
+- ``train`` (``--minutes`` + about 30 s; default 5): cifar10-caps, the paper's model, in bf16
+  with channels_last on a one-cycle schedule fitted to the minutes (``train.time_limit``; batch
+  256, lr 0.2, Nesterov, label smoothing 0.1) on the training images of ``--data-dir`` (default
+  ``$CAPSCTL_DATA``, else the repository's ``gpu-data/``; 1,000 held out for validation):
+  seconds to 90% and 94% validation accuracy where reached, each epoch as it ends, and the
+  accuracy on the data's test file (with gpu-data/, the 1,000 exact test images), labelled
+  with the number of training images.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import functools
 import json
-import shutil
+import os
+import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from capsctl.threads import short_omp_spin
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from the tree, as on the GPU machine (PYTHONPATH=.)
+
+from capsctl.threads import short_omp_spin  # noqa: E402
 
 short_omp_spin()  # before torch is imported, as the capsctl command does
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
+from capsctl.atomic import write_text_atomic  # noqa: E402
 from capsctl.bench import BenchRow, add_ratios, run_bench  # noqa: E402
+from capsctl.config import build_model, resolve_config  # noqa: E402
 from capsctl.data.synthetic import write_random_cifar10  # noqa: E402
-from capsctl.layers import chunks  # noqa: E402
+from capsctl.devices import autocast  # noqa: E402
+from capsctl.layers import dispatch  # noqa: E402
 from capsctl.memory import keep_freed_memory  # noqa: E402
 from capsctl.training import train_from_preset  # noqa: E402
+from capsctl.version import __version__  # noqa: E402
 
-BENCH_MODELS = (
-    ("resnet18", None),
-    ("cifar10-caps", None),
-    ("cifar10-caps-simple", "concurrent"),
-    ("cifar10-caps-simple", "sequential"),
-)
-SETTINGS = (
-    ("fp32", {"amp": False, "channels_last": False, "compile": False}),
-    ("bf16+cl", {"amp": True, "channels_last": True, "compile": False}),
-    ("bf16+cl+compile", {"amp": True, "channels_last": True, "compile": True}),
-)
-CHUNK_MIB = (4, 16, 64, 256)
+PARTS = ("check", "bench", "compile", "train")
 TARGETS = (0.90, 0.94)
+TOLERANCE = {"fp32": 1e-2, "bf16": 1e-1}  # check: the largest relative difference called ok
+GRAD_FLOOR = 1e-3  # check: a gradient's denominator, as a share of the model's largest gradient
+TRAIN_MODEL = "cifar10-caps"
+TRAIN_VAL = 1000
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as the check runs it: a registered name and, for a capsule model, T and the
+    schedule (None: its own)."""
+
+    name: str
+    iterations: int | None = None
+    routing: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.routing is None:
+            return self.name
+        t = f", T={self.iterations}" if self.iterations else ""
+        return f"{self.name} ({self.routing}{t})"
+
+
+RESNET = Model("resnet18")
+CAPS = Model("cifar10-caps")  # T=2 concurrent: only the class capsules route
+SEQ2 = Model("cifar10-caps-simple", 2, "sequential")
+SEQ3 = Model("cifar10-caps-simple", 3, "sequential")
+DYN, DYN_S = Model("cifar10-dynamic"), Model("cifar10-dynamic-simple")
+EM, EM_S = Model("cifar10-em"), Model("cifar10-em-simple")
+SELF, SELF_S = Model("cifar10-self"), Model("cifar10-self-simple")
+SEQ = Model("cifar10-caps-simple", None, "sequential")
+CHECK_MODELS = (CAPS, SEQ, DYN_S, EM_S, SELF_S)
+BENCH_MODELS = (RESNET, CAPS, SEQ2, SEQ3, DYN, DYN_S, EM, EM_S, SELF, SELF_S)
+COMPILE_MODELS = (RESNET, CAPS, SEQ2, SELF_S, DYN_S, EM_S)
+DRY_BENCH_MODELS = (RESNET, SEQ2, SELF_S)  # the dry run: every code path, fewer models
+DRY_COMPILE_MODELS = (SEQ2,)
+SETTINGS = {
+    "fp32": {"amp": False, "channels_last": False},
+    "bf16+cl": {"amp": True, "channels_last": True},
+}
+PASSES = {"fused": None, "torch": "chunked"}  # the dispatch's default, and use("chunked")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (CI)")
-    ap.add_argument("--minutes", type=float, default=3.0, help="budget of the cifar10-caps run")
-    ap.add_argument("--data-dir", help="where CIFAR-10 is (default: $CAPSCTL_DATA)")
-    ap.add_argument("--json", type=Path, help="write all figures to this file")
-    args = ap.parse_args(argv)
+    args = _parse(argv)
+    if args.summary is not None:
+        print(summary(args.summary), flush=True)
+        return 0
     keep_freed_memory()  # as the capsctl command does
-
-    dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; run with --dry-run to check the script on a CPU")
         return 1
-    device = "cpu" if dry else "cuda"
-    report: dict[str, Any] = {"device": _device_name(device), "torch": torch.__version__}
-    print(f"gpu_check on {report['device']}, torch {torch.__version__}" + (" (dry run)" * dry))
-
-    report["bench"] = bench(device, dry)
-    report["chunks"] = chunk_sizes(device, dry)
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        data_dir = args.data_dir
-        if dry and data_dir is None:
-            data_dir = str(write_random_cifar10(Path(tmp) / "data"))
-        report["training"] = training(device, dry, args.minutes, data_dir, Path(tmp))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    parts = PARTS if not args.part or "all" in args.part else tuple(dict.fromkeys(args.part))
+    for model in {*CHECK_MODELS, *BENCH_MODELS, *COMPILE_MODELS}:
+        resolve_config(model.name)  # a stale name fails here, also in the dry run
+    run = Run.start(args)
+    print(
+        f"gpu_check on {run.meta['device']}, torch {torch.__version__}, triton "
+        f"{run.meta['triton']}, parts {', '.join(parts)}" + " (dry run)" * args.dry_run,
+        flush=True,
+    )
+    for name in parts:
+        PART_FUNCTIONS[name](run)
+        write_text_atomic(args.out / "gpu-check-summary.md", summary(args.out) + "\n")
     return 0
 
 
-def bench(device: str, dry: bool) -> list[dict[str, Any]]:
-    batch, iters, warmup = (2, 1, 1) if dry else (128, 5, 2)
-    rows: list[dict[str, Any]] = []
-    print(f"\n1. training step and inference, batch {batch}, median of {iters}")
-    print(f"{'model':<32}{'setting':<17}{'train step':>11}{'infer img/s':>13}{'vs resnet18':>13}")
-    for label, flags in SETTINGS:
-        if flags["compile"] and device == "cpu" and shutil.which("c++") is None:
-            print(f"{'(all)':<32}{label:<17} skipped: torch.compile on a CPU needs a C++ compiler")
-            continue
-        measured: list[BenchRow] = []
-        for name, routing in BENCH_MODELS:
-            (row,) = run_bench(
-                [name],
-                batch_size=batch,
-                iters=iters,
-                warmup=warmup,
-                device=device,
-                routing=routing,
-                **flags,
-            )
-            if routing is not None:
-                row.name = f"{name} ({routing})"
-            measured.append(row)
-        add_ratios(measured, measured[0])
-        for row in measured:
-            ratio = f"{row.train_ratio:.2f}x" if row.train_ratio is not None else "-"
-            print(
-                f"{row.name:<32}{label:<17}{row.train_step_s * 1e3:>9.1f}ms"
-                f"{row.infer_images_per_s or 0:>13.0f}{ratio:>13}"
-            )
-            rows.append({"setting": label, **row.to_dict()})
-    return rows
-
-
-def chunk_sizes(device: str, dry: bool) -> list[dict[str, Any]]:
-    """One training step of cifar10-caps-simple (sequential) per accelerator chunk size."""
-    batch, iters = (2, 1) if dry else (128, 5)
-    print(f"\n2. routed-pass chunk size, cifar10-caps-simple sequential, batch {batch}")
-    out = []
-    before = chunks.DEVICE_CHUNK_BYTES
-    try:
-        for mib in CHUNK_MIB:
-            chunks.DEVICE_CHUNK_BYTES = mib * 2**20
-            (row,) = run_bench(
-                ["cifar10-caps-simple"],
-                batch_size=batch,
-                iters=iters,
-                warmup=1,
-                device=device,
-                routing="sequential",
-                infer=False,
-                amp=not dry,
-                channels_last=not dry,
-            )
-            step = row.train_step_s or 0.0
-            note = " (a CPU uses its own cache-sized chunks)" * (device == "cpu")
-            print(f"  {mib:>4} MiB  {step * 1e3:8.1f} ms{note}")
-            out.append({"chunk_mib": mib, "train_step_s": step})
-    finally:
-        chunks.DEVICE_CHUNK_BYTES = before
-    return out
-
-
-def training(
-    device: str, dry: bool, minutes: float, data_dir: str | None, tmp: Path
-) -> list[dict[str, Any]]:
-    print("\n3. training (bf16, channels_last), seconds to a validation accuracy")
-    common = [f"train.device={device}", "data.val_size=5000"]
-    if not dry:
-        common += ["train.amp=true", "train.channels_last=true"]
-    if data_dir is not None:
-        common.append(f"data.data_dir={data_dir}")
-    toy = [
-        "data.val_size=16",
-        "train.epochs=1",
-        "train.steps_per_epoch=2",
-        "train.batch_size=8",
-        "train.eval_batch_size=16",
-        "train.time_limit=null",
-    ]
-    runs = {
-        "cifar10-caps-fast": [],
-        "cifar10-caps": [
-            "train.schedule=onecycle",
-            "train.epochs=40",
-            "train.batch_size=256",
-            "train.lr=0.2",
-            "train.nesterov=true",
-            "train.label_smoothing=0.1",
-            f"train.time_limit={minutes * 60:.0f}",
-        ],
-    }
-    out = []
-    print(
-        f"{'preset':<20}{'epochs':>7}{'seconds':>9}{'to 90%':>9}{'to 94%':>9}{'test':>8}  test set"
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", action="append", choices=[*PARTS, "all"], help="default: all")
+    ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="default: gpu-check/")
+    ap.add_argument(
+        "--data-dir", help="the train part's data (default: $CAPSCTL_DATA, else gpu-data/)"
     )
-    for preset, extra in runs.items():
-        reached: dict[float, float] = {}
-        t0 = time.perf_counter()
+    ap.add_argument("--minutes", type=float, default=5.0, help="the train part's budget")
+    ap.add_argument(
+        "--part-minutes", type=float, default=7.5, help="no row starts that would end later"
+    )
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (CI)")
+    ap.add_argument("--summary", type=Path, metavar="DIR", help="print the tables of DIR's parts")
+    return ap.parse_args(argv)
 
-        def on_event(
-            e: dict[str, Any], reached: dict[float, float] = reached, t0: float = t0
-        ) -> None:
-            acc = e.get("val_accuracy") if e.get("event") == "epoch_end" else None
-            for target in TARGETS:
-                if acc is not None and acc >= target and target not in reached:
-                    reached[target] = time.perf_counter() - t0
 
-        overrides = [*common, *extra, *(toy if dry else [])]
-        result = train_from_preset(
-            preset,
-            out=tmp / preset,
+# --- the parts' common frame: sizes, the JSON file, the clock --------------------------------
+
+
+@dataclass
+class Run:
+    """What every part shares: the arguments, the device, the sizes and the metadata."""
+
+    args: argparse.Namespace
+    device: str
+    meta: dict[str, Any]
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> Run:
+        device = "cpu" if args.dry_run else "cuda"
+        args.out.mkdir(parents=True, exist_ok=True)
+        if device == "cuda":
+            name = torch.cuda.get_device_name()
+        else:
+            name = f"cpu ({torch.get_num_threads()} threads)"
+        meta = {
+            "device": name,
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "python": platform.python_version(),
+            "capsctl": __version__,
+            "dry_run": bool(args.dry_run),
+            "command": sys.argv,
+        }
+        return cls(args, device, meta)
+
+    @property
+    def dry(self) -> bool:
+        return bool(self.args.dry_run)
+
+    def part(self, name: str, **settings: Any) -> Part:
+        return Part(
+            name,
+            self.args.out / f"gpu-check-{name}.json",
+            self.meta,
+            settings,
+            None if self.dry else self.args.part_minutes * 60,
+        )
+
+
+class Part:
+    """One part's JSON file, rewritten atomically after every row, and its clock: no row
+    starts that would end after ``budget_s`` at the pace of the slowest row so far."""
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        meta: dict[str, Any],
+        settings: dict[str, Any],
+        budget_s: float | None,
+    ) -> None:
+        self.path, self.budget_s, self.t0 = path, budget_s, time.perf_counter()
+        self.row_t0, self.slowest = self.t0, 0.0
+        self.doc: dict[str, Any] = {
+            "part": name,
+            **meta,
+            "settings": settings,
+            "started": time.strftime("%FT%T%z"),
+            "seconds": 0.0,
+            "done": False,
+            "rows": [],
+        }
+        self.save()
+
+    def out_of_time(self) -> bool:
+        if self.budget_s is None:
+            return False
+        return time.perf_counter() - self.t0 + self.slowest > self.budget_s
+
+    def add(self, row: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        self.slowest, self.row_t0 = max(self.slowest, now - self.row_t0), now
+        self.doc["rows"].append(row)
+        self.save()
+
+    def save(self, done: bool = False) -> None:
+        self.doc["seconds"] = round(time.perf_counter() - self.t0, 1)
+        self.doc["done"] = done
+        write_text_atomic(self.path, json.dumps(self.doc, indent=2) + "\n")
+
+    def skipped(self) -> str:
+        return f"skipped: it would end after the part's {(self.budget_s or 0) / 60:g} minutes"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _error(e: BaseException) -> str:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return f"{type(e).__name__}: {str(e).strip()[:600]}"
+
+
+@contextlib.contextmanager
+def _passes(which: str) -> Iterator[None]:
+    """The routing passes of ``which`` (a key of :data:`PASSES`) inside the block."""
+    backend = PASSES[which]
+    with dispatch.use(backend) if backend else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _tally() -> Iterator[dict[str, int]]:
+    """How many routing passes each backend ran inside the block (filled in at its end),
+    where the dispatch tallies them (``dispatch.ran``)."""
+    ran: dict[str, int] = {}
+    reset = getattr(dispatch, "reset_ran", None)
+    if reset is not None:
+        reset()
+    yield ran
+    ran.update(dispatch.ran() if reset is not None else {})
+
+
+def _probe(device: str) -> str:
+    return dispatch.choose(torch.zeros(1, device=device)).backend
+
+
+def _backend(ran: dict[str, int], device: str) -> str:
+    """The backends of a tally, most passes first; without a tally in the dispatch, what it
+    chooses for float32 tensors on ``device``."""
+    if ran:
+        return "+".join(sorted(ran, key=lambda k: -ran[k]))
+    return _probe(device) if not hasattr(dispatch, "ran") else "-"
+
+
+# --- check: the fused passes against the torch code ------------------------------------------
+
+
+def check(run: Run) -> None:
+    batch = 2 if run.dry else 8
+    part = run.part("check", batch_size=batch, tolerance=TOLERANCE, grad_floor=GRAD_FLOOR)
+    print(f"\ncheck: forward and backward at batch {batch}, default passes vs the torch code")
+    print(f"{'model':<38}{'dtype':<6}{'fused ran':<16}{'logits':>10}{'grads':>10}  ok  worst")
+    for model in CHECK_MODELS:
+        for dtype in ("fp32", "bf16"):
+            row: dict[str, Any] = {"model": model.label, "dtype": dtype}
+            if part.out_of_time():
+                row["error"] = part.skipped()
+            else:
+                try:
+                    row.update(_compare(model, dtype == "bf16", run.device, batch))
+                    row["ok"] = max(row["logits_rel"], row["grads_rel"]) <= TOLERANCE[dtype]
+                except Exception as e:  # recorded, the part goes on
+                    row["error"] = _error(e)
+            part.add(row)
+            print(_check_line(row), flush=True)
+    part.save(done=True)
+    print("\n" + check_table(part.doc["rows"]), flush=True)
+
+
+def _compare(model: Model, amp: bool, device: str, batch: int) -> dict[str, Any]:
+    cfg = resolve_config(model.name)
+    torch.manual_seed(0)
+    net = build_model(cfg).to(device).train()
+    if model.iterations is not None or model.routing is not None:
+        net.set_routing(model.iterations, model.routing)
+    state = copy.deepcopy(net.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, cfg.in_channels, cfg.input_size, cfg.input_size, generator=gen)
+    y = torch.randint(0, cfg.num_classes, (batch,), generator=gen)
+    x, y = x.to(device), y.to(device)
+    with _tally() as fused_ran:
+        logits, grads = _forward_backward(net, x, y, amp)
+    net.load_state_dict(state)
+    with _passes("torch"), _tally() as torch_ran:
+        ref_logits, ref_grads = _forward_backward(net, x, y, amp)
+    top = max(float(g.abs().max()) for g in ref_grads.values())
+    worst, worst_rel = "", 0.0
+    for name, ref in ref_grads.items():
+        den = max(float(ref.abs().max()), GRAD_FLOOR * top, 1e-30)
+        rel = float((grads[name] - ref).abs().max()) / den
+        if rel >= worst_rel:
+            worst, worst_rel = name, rel
+    diff = float((logits - ref_logits).abs().max())
+    return {
+        "fused_ran": _backend(fused_ran, device),
+        "torch_ran": _backend(torch_ran, device),
+        "logits_max_abs_diff": diff,
+        "logits_rel": diff / max(float(ref_logits.abs().max()), 1e-30),
+        "grads_rel": worst_rel,
+        "grads_worst": worst,
+    }
+
+
+def _forward_backward(
+    net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    net.zero_grad(set_to_none=True)
+    with autocast(x.device, amp):
+        logits = net(x)
+    F.cross_entropy(logits.float(), y).backward()
+    grads = {
+        n: p.grad.detach().float().clone() for n, p in net.named_parameters() if p.grad is not None
+    }
+    return logits.detach().float(), grads
+
+
+def _check_line(row: dict[str, Any]) -> str:
+    head = f"{row['model']:<38}{row['dtype']:<6}"
+    if "error" in row:
+        return head + row["error"]
+    return (
+        f"{head}{row['fused_ran']:<16}{row['logits_rel']:>10.1e}{row['grads_rel']:>10.1e}"
+        f"  {'yes' if row['ok'] else 'NO ':<4}{row['grads_worst']}"
+    )
+
+
+# --- bench and compile: training steps against ResNet-18 ------------------------------------
+
+
+def bench(run: Run) -> None:
+    batch, warmup, iters = (2, 1, 1) if run.dry else (128, 2, 5)
+    models = DRY_BENCH_MODELS if run.dry else BENCH_MODELS
+    part = run.part("bench", batch_size=batch, warmup=warmup, iters=iters)
+    print(f"\nbench: training step and inference at batch {batch}, median of {iters}")
+    print(BENCH_HEADER)
+    refs: dict[str, BenchRow | None] = {}
+    # Fused rows first (the targets), then the torch code; ResNet-18 once per setting.
+    for passes in PASSES:
+        for setting in SETTINGS:
+            for model in models:
+                if model == RESNET and passes != "fused":
+                    continue
+                sizes = (batch, warmup, iters)
+                row, measured = _bench_row(
+                    part, run, model, setting, passes, False, sizes, refs.get(setting)
+                )
+                if model == RESNET:
+                    refs[setting] = measured
+                part.add(row)
+                print(_bench_line(row), flush=True)
+    part.save(done=True)
+    print("\n" + bench_table(part.doc["rows"], []), flush=True)
+
+
+def compile_part(run: Run) -> None:
+    batch, warmup, iters = (2, 1, 1) if run.dry else (128, 2, 5)
+    models = DRY_COMPILE_MODELS if run.dry else COMPILE_MODELS
+    backend = "aot_eager" if run.dry else "inductor"
+    part = run.part("compile", batch_size=batch, warmup=warmup, iters=iters, backend=backend)
+    print(f"\ncompile: bf16+cl training step under torch.compile ({backend}), batch {batch}")
+    print(BENCH_HEADER)
+    ref: BenchRow | None = None
+    for model in models:
+        with _compile_backend(backend):
+            sizes = (batch, warmup, iters)
+            row, measured = _bench_row(part, run, model, "bf16+cl", "fused", True, sizes, ref)
+        torch._dynamo.reset()  # the next model compiles afresh, the last one's graphs freed
+        if model == RESNET:
+            ref = measured
+        part.add(row)
+        print(_bench_line(row), flush=True)
+    part.save(done=True)
+    print("\n" + bench_table([], part.doc["rows"]), flush=True)
+
+
+@contextlib.contextmanager
+def _compile_backend(backend: str) -> Iterator[None]:
+    """``torch.compile`` with ``backend`` inside the block (what run_bench calls)."""
+    original = torch.compile
+    if backend != "inductor":
+        torch.compile = functools.partial(original, backend=backend)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = original  # type: ignore[assignment]
+
+
+def _bench_row(
+    part: Part,
+    run: Run,
+    model: Model,
+    setting: str,
+    passes: str,
+    compiled: bool,
+    sizes: tuple[int, int, int],
+    ref: BenchRow | None,
+) -> tuple[dict[str, Any], BenchRow | None]:
+    """One measured row (its error instead where it failed) with its ratios to ``ref``
+    (ResNet-18 in the same setting), and what run_bench returned."""
+    row: dict[str, Any] = {"setting": setting, "passes": passes, "compiled": compiled}
+    row["name"] = model.label
+    if part.out_of_time():
+        return {**row, "error": part.skipped()}, None
+    flags = dict(SETTINGS[setting])
+    try:
+        measured, ran = _measure(run, model, flags, passes, compiled, sizes)
+    except Exception as e:  # recorded, the part goes on
+        if not flags["channels_last"] or "channels_last" not in str(e):
+            return {**row, "error": _error(e)}, None
+        row["channels_last_error"] = _error(e)  # measured without it, and said so
+        flags["channels_last"] = False
+        try:
+            measured, ran = _measure(run, model, flags, passes, compiled, sizes)
+        except Exception as e2:
+            return {**row, "error": _error(e2)}, None
+    measured.name = model.label
+    add_ratios([measured], ref)
+    backend = getattr(measured, "routing_backend", None)
+    if measured.routing is not None and backend is None and (ran or not compiled):
+        backend = _backend(ran, run.device)
+    row.update(measured.to_dict(), routing_backend=backend, memory_ratio=None)
+    if ref is not None and measured.peak_device_bytes and ref.peak_device_bytes:
+        row["memory_ratio"] = measured.peak_device_bytes / ref.peak_device_bytes
+    return row, measured
+
+
+def _measure(
+    run: Run,
+    model: Model,
+    flags: dict[str, bool],
+    passes: str,
+    compiled: bool,
+    sizes: tuple[int, int, int],
+) -> tuple[BenchRow, dict[str, int]]:
+    batch, warmup, iters = sizes
+    with _passes(passes), _tally() as ran:
+        (row,) = run_bench(
+            [model.name],
+            batch_size=batch,
+            warmup=warmup,
+            iters=iters,
+            device=run.device,
+            iterations=model.iterations,
+            routing=model.routing,
+            infer=not compiled,
+            compile=compiled,
+            **flags,
+        )
+    return row, ran
+
+
+BENCH_HEADER = (
+    f"{'model':<38}{'setting':<9}{'passes':<8}{'ran':<9}{'step':>10}{'ratio':>8}"
+    f"{'infer/s':>9}{'peak':>11}{'ratio':>7}"
+)
+
+
+def _bench_line(row: dict[str, Any]) -> str:
+    head = f"{row['name']:<38}{row['setting']:<9}{row['passes']:<8}"
+    if "error" in row:
+        return head + row["error"]
+    ips = row.get("infer_images_per_s")
+    return (
+        f"{head}{row.get('routing_backend') or '-':<9}{_ms(row['train_step_s']):>10}"
+        f"{_x(row['train_ratio']):>8}{f'{ips:.0f}' if ips else '-':>9}"
+        f"{_mib(row['peak_device_bytes']):>11}{_x(row['memory_ratio']):>7}"
+    )
+
+
+# --- train: the paper's model against the clock ----------------------------------------------
+
+
+def train(run: Run) -> None:
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        carried = REPO / "gpu-data"
+        data_dir = run.args.data_dir or os.environ.get("CAPSCTL_DATA")
+        if data_dir is None and (carried / "cifar10").is_dir():
+            data_dir = str(carried)
+        if run.dry and run.args.data_dir is None:
+            data_dir = str(write_random_cifar10(Path(tmp) / "data", train=64, test=16))
+        overrides = _train_overrides(run, data_dir)
+        part = run.part(
+            "train",
+            model=TRAIN_MODEL,
             overrides=overrides,
-            on_event=on_event,
-            handle_sigint=False,
+            data_dir=data_dir,
+            subset=_subset(data_dir),
         )
-        test = result.test
-        times = [f"{reached[t]:.0f}s" if t in reached else "-" for t in TARGETS]
-        acc = f"{test.accuracy:.2%}" if test is not None else "-"
-        name = test.dataset if test is not None else "-"
+        part.doc["epochs"] = []
+        how = "two steps at batch 8" if run.dry else f"{run.args.minutes:g} minutes, bf16 + cl"
+        print(f"\ntrain: {TRAIN_MODEL}, {how}, data from {data_dir}")
+        print(f"{'epoch':>6}{'seconds':>9}{'train loss':>12}{'val acc':>9}{'lr':>9}")
+        minutes = None if run.dry else run.args.minutes  # the dry run: two steps
+        row: dict[str, Any] = {"model": TRAIN_MODEL, "minutes": minutes}
+        try:
+            row.update(_fit(part, overrides, Path(tmp) / "run"))
+        except Exception as e:  # recorded
+            row["error"] = _error(e)
+            print(row["error"], flush=True)
+        part.add(row)
+    part.save(done=True)
+    print("\n" + train_table(part.doc["rows"]), flush=True)
+
+
+def _train_overrides(run: Run, data_dir: str | None) -> list[str]:
+    overrides = [f"train.device={run.device}"]
+    if data_dir is not None:
+        overrides.append(f"data.data_dir={data_dir}")
+    if run.dry:
+        return [
+            *overrides,
+            "data.val_size=16",
+            "train.epochs=1",
+            "train.steps_per_epoch=2",
+            "train.batch_size=8",
+            "train.eval_batch_size=16",
+            "train.time_limit=null",
+        ]
+    return [
+        *overrides,
+        f"data.val_size={TRAIN_VAL}",
+        "data.download=false",
+        "train.amp=true",
+        "train.channels_last=true",
+        "train.schedule=onecycle",
+        "train.epochs=1000",  # more than fit: the clock ends the run, the schedule follows it
+        "train.batch_size=256",
+        "train.eval_batch_size=500",
+        "train.lr=0.2",
+        "train.nesterov=true",
+        "train.label_smoothing=0.1",
+        f"train.time_limit={run.args.minutes * 60:.0f}",
+    ]
+
+
+def _subset(data_dir: str | None) -> dict[str, Any] | None:
+    """What scripts/make_gpu_check_data.py wrote about the training subset, if it wrote it."""
+    path = Path(data_dir or ".") / "cifar10" / "subset.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _fit(part: Part, overrides: list[str], out: Path) -> dict[str, Any]:
+    reached: dict[float, float] = {}
+    data: dict[str, Any] = {}
+    t0 = time.perf_counter()
+
+    def on_event(e: dict[str, Any]) -> None:
+        if e.get("event") == "data":
+            data.update({k: e[k] for k in ("train", "val", "test", "test_name") if k in e})
+            part.doc["data"] = dict(data)
+            part.save()
+        if e.get("event") != "epoch_end":
+            return
+        seconds, acc = time.perf_counter() - t0, e.get("val_accuracy")
+        for target in TARGETS:
+            if acc is not None and acc >= target and target not in reached:
+                reached[target] = seconds
+        epoch = {
+            "epoch": e.get("epoch"),
+            "seconds": round(seconds, 1),
+            "val_accuracy": acc,
+            "train_loss": e.get("train_loss"),
+            "lr": e.get("lr"),
+        }
+        part.doc["epochs"].append(epoch)
+        part.save()
         print(
-            f"{preset:<20}{result.epochs_done:>9}{result.seconds:>9.0f}{times[0]:>9}"
-            f"{times[1]:>9}{acc:>9}  {name}"
+            f"{epoch['epoch']:>6}{seconds:>9.0f}{_f(epoch['train_loss'], 12, '.3f')}"
+            f"{_f(acc, 9, '.2%')}{_f(epoch['lr'], 9, '.3f')}",
+            flush=True,
         )
+
+    result = train_from_preset(
+        TRAIN_MODEL, out=out, overrides=overrides, on_event=on_event, handle_sigint=False
+    )
+    test = result.test
+    return {
+        "train_images": data.get("train"),
+        "val_images": data.get("val"),
+        "epochs": result.epochs_done,
+        "seconds": result.seconds,
+        "seconds_to": {f"{t:.2f}": reached.get(t) for t in TARGETS},
+        "best_val_accuracy": result.best_val_accuracy,
+        "test_accuracy": test.accuracy if test is not None else None,
+        "test_set": test.dataset if test is not None else data.get("test_name"),
+        "test_images": data.get("test"),
+    }
+
+
+# --- the tables (markdown) -------------------------------------------------------------------
+
+
+def summary(folder: Path) -> str:
+    """The markdown tables of the part files in ``folder``."""
+    docs = {}
+    for name in PARTS:
+        path = folder / f"gpu-check-{name}.json"
+        if path.is_file():
+            docs[name] = json.loads(path.read_text())
+    if not docs:
+        return f"no gpu-check-<part>.json in {folder}"
+    first = next(iter(docs.values()))
+    lines = [
+        f"GPU check on {first['device']}: torch {first['torch']}, triton {first['triton']}, "
+        f"capsctl {first['capsctl']}" + " (dry run)" * bool(first.get("dry_run")),
+    ]
+    for name, doc in docs.items():
+        if not doc.get("done"):
+            lines.append(
+                f"(part {name} did not finish: {len(doc['rows'])} rows in {doc['seconds']:.0f} s)"
+            )
+    bench_rows = docs.get("bench", {}).get("rows", [])
+    compile_rows = docs.get("compile", {}).get("rows", [])
+    if bench_rows or compile_rows:
+        batch = (docs.get("bench") or docs["compile"])["settings"]["batch_size"]
+        lines += [
+            "",
+            f"Training step at batch {batch} (median) and its ratio to ResNet-18 in "
+            "the same setting; peak GPU memory and its ratio (fused: the default passes; "
+            "torch: the torch code, dispatch.use('chunked'))",
+            "",
+            bench_table(bench_rows, compile_rows),
+        ]
+    if "check" in docs:
+        lines += [
+            "",
+            "The default passes against the torch code (forward and backward, "
+            "largest relative difference)",
+            "",
+            check_table(docs["check"]["rows"]),
+        ]
+    if "train" in docs:
+        lines += ["", train_table(docs["train"]["rows"] or _unfinished_train(docs["train"]))]
+    return "\n".join(lines)
+
+
+def _unfinished_train(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The train part's row from its epochs so far, where it did not finish."""
+    epochs, data = doc.get("epochs") or [], doc.get("data", {})
+    if not epochs:
+        return []
+    accs = [e["val_accuracy"] for e in epochs if e["val_accuracy"] is not None]
+    to = {
+        f"{t:.2f}": next((e["seconds"] for e in epochs if (e["val_accuracy"] or 0) >= t), None)
+        for t in TARGETS
+    }
+    return [
+        {
+            "model": doc["settings"]["model"],
+            "minutes": None,
+            "train_images": data.get("train"),
+            "val_images": data.get("val"),
+            "epochs": f"{len(epochs)} (unfinished)",
+            "seconds_to": to,
+            "best_val_accuracy": max(accs, default=None),
+            "test_accuracy": None,
+            "test_set": "not reached",
+            "test_images": None,
+        }
+    ]
+
+
+def bench_table(rows: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> str:
+    """One line per model: its training step and ratio in each setting and passes, the backend
+    the fused rows ran, peak memory (eager and compiled); columns with no figure left out."""
+    by = {(r["name"], r["setting"], r["passes"], r["compiled"]): r for r in [*rows, *compiled]}
+    steps = [(s, p, False) for s in SETTINGS for p in PASSES] + [("bf16+cl", "fused", True)]
+    peaks = [(s, "fused", False) for s in SETTINGS] + [("bf16+cl", "fused", True)]
+    head = ["model", "ran"] + [_column(k) for k in steps] + ["ran compiled"]
+    head += ["peak " + _column(k) for k in peaks]
+    table = []
+    for name in dict.fromkeys(r["name"] for r in [*rows, *compiled]):
+        cells = [name, _ran(rows, name)]
+        cells += [_step_cell(by.get((name, *k))) for k in steps] + [_ran(compiled, name)]
+        table.append(cells + [_peak_cell(by.get((name, *k))) for k in peaks])
+    keep = [i for i in range(len(head)) if i == 0 or any(r[i] not in ("", "-") for r in table)]
+    out = ["| " + " | ".join(head[i] for i in keep) + " |", "|" + "---|" * len(keep)]
+    out += ["| " + " | ".join(r[i] for i in keep) + " |" for r in table]
+    return "\n".join(out)
+
+
+def _column(key: tuple[str, str, bool]) -> str:
+    setting, passes, compiled = key
+    return f"{setting} compiled" if compiled else f"{setting} {passes}"
+
+
+def _ran(rows: list[dict[str, Any]], name: str) -> str:
+    """The backends the fused rows of ``name`` ran, "-" where none routes or none said."""
+    ran = {r.get("routing_backend") for r in rows if r["name"] == name and r["passes"] == "fused"}
+    return ", ".join(sorted(b for b in ran if b)) or "-"
+
+
+def check_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| model | dtype | fused ran | logits | gradients (worst parameter) | ok |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['dtype']} | {_cell_error(r['error'])} | | | |")
+            continue
         out.append(
-            {
-                "preset": preset,
-                "overrides": overrides,
-                "epochs": result.epochs_done,
-                "seconds": result.seconds,
-                "seconds_to": {f"{t:.2f}": reached.get(t) for t in TARGETS},
-                "test_accuracy": test.accuracy if test is not None else None,
-                "test_set": name,
-            }
+            f"| {r['model']} | {r['dtype']} | {r['fused_ran']} | {r['logits_rel']:.1e} | "
+            f"{r['grads_rel']:.1e} ({r['grads_worst']}) | {'yes' if r['ok'] else 'NO'} |"
         )
-    return out
+    return "\n".join(out)
 
 
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"cpu ({torch.get_num_threads()} threads)"
+def train_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| model | training images | minutes | epochs | to 90% val | to 94% val | best val "
+        "| test |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['error'][:300].replace('|', '/')} | | | | | | |")
+            continue
+        to = [_f(r["seconds_to"][f"{t:.2f}"], 0, ".0f") for t in TARGETS]
+        to = [f"{t} s" if t != "-" else t for t in to]
+        test = "-"
+        if r["test_accuracy"] is not None:
+            test = f"{r['test_accuracy']:.2%} on {_n(r['test_images'])} ({r['test_set']})"
+        out.append(
+            f"| {r['model']} | {_n(r['train_images'])} (+{_n(r['val_images'])} val) | "
+            f"{_f(r['minutes'], 0, 'g')} | {r['epochs']} | {to[0]} | {to[1]} | "
+            f"{_f(r['best_val_accuracy'], 0, '.2%')} | {test} |"
+        )
+    return "\n".join(out)
 
+
+def _step_cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return ""
+    if "error" in row:
+        return _cell_error(row["error"])
+    cell = f"{_ms(row['train_step_s'])} ({_x(row['train_ratio'])})"
+    return cell + " (no cl)" * ("channels_last_error" in row)
+
+
+def _peak_cell(row: dict[str, Any] | None) -> str:
+    if row is None or "error" in row or not row.get("peak_device_bytes"):
+        return "-" if row is not None and "error" not in row else ""
+    return f"{_mib(row['peak_device_bytes'])} ({_x(row['memory_ratio'])})"
+
+
+def _cell_error(error: str) -> str:
+    return ("skipped" if error.startswith("skipped") else error.split(":")[0]).replace("|", "/")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _mib(n: int | None) -> str:
+    return "-" if not n else f"{n / 2**20:,.0f} MiB"
+
+
+def _n(count: int | None) -> str:
+    return "?" if count is None else f"{count:,}"
+
+
+def _f(value: float | None, width: int, spec: str) -> str:
+    return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
+PART_FUNCTIONS: dict[str, Callable[[Run], None]] = {
+    "check": check,
+    "bench": bench,
+    "compile": compile_part,
+    "train": train,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,12 +16,14 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
+PARTS = ("check", "bench", "compile", "train")
 
 
 def _script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -92,32 +94,146 @@ def test_the_data_script_refuses_lossy_test_images_and_too_many_training_images(
 
 
 @pytest.mark.slow
-def test_dry_run_measures_every_model_and_trains_both_recipes(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def test_a_dry_run_of_every_part_writes_each_part_file_and_the_summary(tmp_path: Path) -> None:
+    out = tmp_path / "gc"
+    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--part", "all", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(out.read_text())
-    names = {(r["setting"], r["name"]) for r in report["bench"]}
-    for setting in ("fp32", "bf16+cl"):
-        for model in (
-            "resnet18",
+    names = [f"gpu-check-{p}.json" for p in PARTS] + ["gpu-check-summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    docs = {p: json.loads((out / f"gpu-check-{p}.json").read_text()) for p in PARTS}
+    assert all(d["done"] and d["dry_run"] and d["part"] == p for p, d in docs.items())
+
+    check = docs["check"]["rows"]
+    assert {(r["model"], r["dtype"]) for r in check} == {
+        (m, d)
+        for m in (
             "cifar10-caps",
-            "cifar10-caps-simple (concurrent)",
             "cifar10-caps-simple (sequential)",
-        ):
-            assert (setting, model) in names
-    assert all(r["train_step_s"] > 0 for r in report["bench"])
-    assert [c["chunk_mib"] for c in report["chunks"]] == [4, 16, 64, 256]
-    runs = {r["preset"]: r for r in report["training"]}
-    assert set(runs) == {"cifar10-caps-fast", "cifar10-caps"}
-    for r in runs.values():
-        assert r["epochs"] == 1 and 0.0 <= r["test_accuracy"] <= 1.0
-    assert "1. training step" in res.stdout and "3. training" in res.stdout
+            "cifar10-dynamic-simple",
+            "cifar10-em-simple",
+            "cifar10-self-simple",
+        )
+        for d in ("fp32", "bf16")
+    }
+    assert all(r["ok"] and r["torch_ran"] == "chunked" for r in check), check
+
+    bench = docs["bench"]["rows"]
+    assert not [r for r in bench if "error" in r], bench
+    got = {(r["name"], r["setting"], r["passes"]) for r in bench}
+    for setting in ("fp32", "bf16+cl"):
+        assert ("resnet18", setting, "fused") in got
+        for model in ("cifar10-caps-simple (sequential, T=2)", "cifar10-self-simple"):
+            assert {(model, setting, "fused"), (model, setting, "torch")} <= got
+    assert all(r["train_step_s"] > 0 and r["train_ratio"] > 0 for r in bench)
+    assert {r["routing_backend"] for r in bench if r["passes"] == "torch"} == {"chunked"}
+    (compiled,) = docs["compile"]["rows"]
+    assert compiled["compiled"] and compiled["train_step_s"] > 0
+    (trained,) = docs["train"]["rows"]
+    assert trained["epochs"] == 1 and 0.0 <= trained["test_accuracy"] <= 1.0
+    assert trained["train_images"] + trained["val_images"] == 64
+
+    for head in ("check: forward and backward", "bench: training step", "compile:", "train:"):
+        assert head in res.stdout
+    table = (out / "gpu-check-summary.md").read_text()
+    assert "| cifar10-self-simple |" in table and "| fp32 torch |" in table
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--summary", str(out)], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and res.stdout == table
+
+
+def test_the_summary_says_which_parts_did_not_finish_and_which_rows_failed(
+    tmp_path: Path,
+) -> None:
+    meta = {"device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "capsctl": "0.2.0"}
+    row = {"setting": "fp32", "passes": "fused", "compiled": False, "routing_backend": None}
+    bench = {
+        **meta,
+        "part": "bench",
+        "done": False,
+        "seconds": 420.0,
+        "settings": {"batch_size": 128},
+        "rows": [
+            {
+                **row,
+                "name": "resnet18",
+                "train_step_s": 0.01,
+                "train_ratio": 1.0,
+                "peak_device_bytes": 2**30,
+                "memory_ratio": 1.0,
+            },
+            {
+                **row,
+                "name": "cifar10-em",
+                "routing_backend": "triton",
+                "train_step_s": 0.015,
+                "train_ratio": 1.5,
+                "peak_device_bytes": 3 * 2**29,
+                "memory_ratio": 1.5,
+            },
+            {**row, "name": "cifar10-self", "error": "OutOfMemoryError: CUDA out of memory"},
+            {
+                **row,
+                "name": "cifar10-self-simple",
+                "error": "skipped: it would end after the part's 7.5 minutes",
+            },
+        ],
+    }
+    (tmp_path / "gpu-check-bench.json").write_text(json.dumps(bench))
+    train = {
+        **meta,
+        "part": "train",
+        "done": False,
+        "seconds": 200.0,
+        "settings": {"model": "cifar10-caps"},
+        "rows": [],
+        "data": {"train": 14000, "val": 1000},
+        "epochs": [
+            {"epoch": 1, "seconds": 10.0, "val_accuracy": 0.5},
+            {"epoch": 2, "seconds": 20.0, "val_accuracy": 0.91},
+        ],
+    }
+    (tmp_path / "gpu-check-train.json").write_text(json.dumps(train))
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--summary", str(tmp_path)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "part bench did not finish: 4 rows in 420 s" in res.stdout
+    assert "| cifar10-em | triton | 15.0 ms (1.50x) | 1,536 MiB (1.50x) |" in lines
+    assert "| cifar10-self | - | OutOfMemoryError |  |" in lines
+    assert "| cifar10-self-simple | - | skipped |  |" in lines
+    assert "part train did not finish: 0 rows in 200 s" in res.stdout
+    assert (
+        "| cifar10-caps | 14,000 (+1,000 val) | - | 2 (unfinished) | 20 s | - | 91.00% | - |"
+        in lines
+    )
+
+
+def test_a_part_rewrites_its_file_after_every_row_and_starts_no_row_past_its_minutes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    gpu_check = _script("gpu_check")
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    path = tmp_path / "gpu-check-bench.json"
+    part = gpu_check.Part("bench", path, {"device": "x"}, {"batch_size": 128}, budget_s=60.0)
+    assert json.loads(path.read_text())["rows"] == [] and not part.out_of_time()
+    clock[0] += 20.0  # the slowest row so far: 20 s
+    part.add({"n": 1})
+    clock[0] += 5.0
+    part.add({"n": 2})
+    doc = json.loads(path.read_text())
+    assert [r["n"] for r in doc["rows"]] == [1, 2] and doc["seconds"] == 25.0 and not doc["done"]
+    clock[0] += 15.0
+    assert not part.out_of_time()  # 40 s + 20 s ends at the budget
+    clock[0] += 1.0
+    assert part.out_of_time()
+    part.save(done=True)
+    assert json.loads(path.read_text())["done"]
 
 
 def test_without_cuda_and_without_dry_run_it_says_what_to_do() -> None:
