@@ -127,6 +127,26 @@ def test_errors_are_one_line(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["eval", "{ckpt}", "--batch-size", "0"],
+        ["predict", "{ckpt}", "nothere.png"],
+        ["bench", "nosuchmodel"],
+        ["train", "--preset", "quickstart", "--time-limit", "0m"],
+    ],
+)
+def test_an_error_under_a_progress_bar_is_exactly_one_line_when_piped(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """Off a terminal no progress bar is drawn, and none leaves an empty line behind: stderr is
+    the error line alone (a script reading it sees one line)."""
+    args = [a.format(ckpt=tiny_checkpoint()) for a in args]
+    code, out, err = run_cli(capsys, args)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, repr(err)
+
+
 @pytest.mark.parametrize("content", [b"", b"garbage" * 10, b"\x08\x00\x00\x00\x00\x00\x00\x00{}"])
 def test_corrupt_checkpoint_is_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes

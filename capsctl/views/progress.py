@@ -37,7 +37,7 @@ class TrainProgress:
             TimeRemainingColumn(),
             console=err,
             transient=True,
-            disable=quiet,
+            disable=quiet or not err.is_interactive,  # off a terminal: no bar, no empty line
         )
         self.task: TaskID | None = None
 
@@ -110,7 +110,7 @@ def simple_progress(description: str, quiet: bool = False) -> Iterator[Any]:
         TimeElapsedColumn(),
         console=err,
         transient=True,
-        disable=quiet,
+        disable=quiet or not err.is_interactive,  # off a terminal: no bar, no empty line
     )
     task: dict[str, TaskID] = {}
 
