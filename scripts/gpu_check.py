@@ -47,7 +47,7 @@ on one H200 are estimates until measured:
   channels_last is measured without it, and marked so); the capsule models with the default
   ("fused") passes first, then with the torch code; peak GPU memory
   (``torch.cuda.max_memory_allocated``) and both ratios to ResNet-18 in the same setting; the
-  backend the routing passes ran (``BenchRow.routing_backend``, else the dispatch's tally).
+  backend the routing passes ran (``BenchRow.routing_backend``).
 - ``compile`` (up to 8 minutes, mostly compiling): bf16 + channels_last + ``torch.compile``
   training steps (no inference) of ResNet-18, cifar10-caps, cifar10-caps-simple (sequential),
   cifar10-self-simple, cifar10-dynamic-simple and cifar10-em-simple, with peak memory.
@@ -90,6 +90,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from capsctl.atomic import write_text_atomic  # noqa: E402
 from capsctl.bench import BenchRow, add_ratios, run_bench  # noqa: E402
+from capsctl.compile_cache import use_private_compile_cache  # noqa: E402
 from capsctl.config import build_model, resolve_config  # noqa: E402
 from capsctl.data.synthetic import write_random_cifar10  # noqa: E402
 from capsctl.devices import autocast  # noqa: E402
@@ -295,26 +296,16 @@ def _passes(which: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _tally() -> Iterator[dict[str, int]]:
-    """How many routing passes each backend ran inside the block (filled in at its end),
-    where the dispatch tallies them (``dispatch.ran``)."""
+    """How many routing passes each backend ran inside the block (filled in at its end)."""
     ran: dict[str, int] = {}
-    reset = getattr(dispatch, "reset_ran", None)
-    if reset is not None:
-        reset()
+    dispatch.reset_ran()
     yield ran
-    ran.update(dispatch.ran() if reset is not None else {})
+    ran.update(dispatch.ran())
 
 
-def _probe(device: str) -> str:
-    return dispatch.choose(torch.zeros(1, device=device)).backend
-
-
-def _backend(ran: dict[str, int], device: str) -> str:
-    """The backends of a tally, most passes first; without a tally in the dispatch, what it
-    chooses for float32 tensors on ``device``."""
-    if ran:
-        return "+".join(sorted(ran, key=lambda k: -ran[k]))
-    return _probe(device) if not hasattr(dispatch, "ran") else "-"
+def _backend(ran: dict[str, int]) -> str:
+    """The backends of a tally as ``capsctl bench`` writes them ("-": no routing pass ran)."""
+    return "+".join(b for b in dispatch.BACKENDS if b in ran) or "-"
 
 
 # --- check: the fused passes against the torch code ------------------------------------------
@@ -367,8 +358,8 @@ def _compare(model: Model, amp: bool, device: str, batch: int) -> dict[str, Any]
             worst, worst_rel = name, rel
     diff = float((logits - ref_logits).abs().max())
     return {
-        "fused_ran": _backend(fused_ran, device),
-        "torch_ran": _backend(torch_ran, device),
+        "fused_ran": _backend(fused_ran),
+        "torch_ran": _backend(torch_ran),
         "logits_max_abs_diff": diff,
         "logits_rel": diff / max(float(ref_logits.abs().max()), 1e-30),
         "grads_rel": worst_rel,
@@ -432,6 +423,7 @@ def compile_part(run: Run) -> None:
     models = DRY_COMPILE_MODELS if run.dry else COMPILE_MODELS
     backend = "aot_eager" if run.dry else "inductor"
     part = run.part("compile", batch_size=batch, warmup=warmup, iters=iters, backend=backend)
+    use_private_compile_cache()  # as capsctl bench --compile does
     print(f"\ncompile: bf16+cl training step under torch.compile ({backend}), batch {batch}")
     print(BENCH_HEADER)
     ref: BenchRow | None = None
@@ -478,22 +470,19 @@ def _bench_row(
         return {**row, "error": part.skipped()}, None
     flags = dict(SETTINGS[setting])
     try:
-        measured, ran = _measure(run, model, flags, passes, compiled, sizes)
+        measured = _measure(run, model, flags, passes, compiled, sizes)
     except Exception as e:  # recorded, the part goes on
         if not flags["channels_last"] or "channels_last" not in str(e):
             return {**row, "error": _error(e)}, None
         row["channels_last_error"] = _error(e)  # measured without it, and said so
         flags["channels_last"] = False
         try:
-            measured, ran = _measure(run, model, flags, passes, compiled, sizes)
+            measured = _measure(run, model, flags, passes, compiled, sizes)
         except Exception as e2:
             return {**row, "error": _error(e2)}, None
     measured.name = model.label
     add_ratios([measured], ref)
-    backend = getattr(measured, "routing_backend", None)
-    if measured.routing is not None and backend is None and (ran or not compiled):
-        backend = _backend(ran, run.device)
-    row.update(measured.to_dict(), routing_backend=backend, memory_ratio=None)
+    row.update(measured.to_dict(), memory_ratio=None)  # routing_backend: what the passes ran
     if ref is not None and measured.peak_device_bytes and ref.peak_device_bytes:
         row["memory_ratio"] = measured.peak_device_bytes / ref.peak_device_bytes
     return row, measured
@@ -506,9 +495,9 @@ def _measure(
     passes: str,
     compiled: bool,
     sizes: tuple[int, int, int],
-) -> tuple[BenchRow, dict[str, int]]:
+) -> BenchRow:
     batch, warmup, iters = sizes
-    with _passes(passes), _tally() as ran:
+    with _passes(passes):
         (row,) = run_bench(
             [model.name],
             batch_size=batch,
@@ -521,7 +510,7 @@ def _measure(
             compile=compiled,
             **flags,
         )
-    return row, ran
+    return row
 
 
 BENCH_HEADER = (
