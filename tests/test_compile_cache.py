@@ -132,3 +132,22 @@ def test_a_cache_that_cannot_be_made_private_gives_a_private_temporary_folder(
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     (line,) = [r.getMessage() for r in records]
     assert str(blocker / "cache" / "inductor") in line and "private temporary folder" in line
+
+
+def test_the_command_line_shows_the_warning_as_one_line(
+    shared_temp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """The library's log records (this warning, the compiled loops' build notice) reach the
+    terminal as one ``warning:`` line each, the message verbatim."""
+    import capsctl.bench
+
+    blocker = tmp_path / "a-file[1]"
+    blocker.write_text("")
+    monkeypatch.setenv("CAPSCTL_CACHE", str(blocker / "cache"))  # cannot be made
+    monkeypatch.setenv("CAPSCTL_NATIVE", "0")  # no compiled loops built here
+    monkeypatch.setattr(capsctl.bench, "run_bench", lambda *a, **k: [])
+    code, _, err = run_cli(capsys, ["bench", "resnet18", "--compile", "--json"])
+    assert code == 0, err
+    assert len(err.strip().splitlines()) == 1, err
+    line = err.strip()
+    assert line.startswith(f"warning: not keeping torch.compile's code in {blocker / 'cache'}")
