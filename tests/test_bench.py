@@ -178,6 +178,23 @@ def test_the_rows_say_which_backend_ran_the_passes() -> None:
     assert rows_to_csv([row]).splitlines()[1].endswith(",chunked")
 
 
+def test_channels_last_takes_a_model_with_5d_capsule_weights() -> None:
+    """Self-routing's capsule weights are 5-d: only the 4-d convolution weights go channels_last
+    (``Module.to(memory_format=...)`` refuses the whole model)."""
+    import torch
+
+    from capsctl.models import to_channels_last
+
+    conv_layer = [{"kind": "conv", "types": 4, "pose_dim": 4, "kernel": 3, "stride": 2}]
+    model = tiny("tiny-self", router={"name": "self"}, layers=conv_layer, input_size=28)
+    (row,) = run_bench([model], channels_last=True, **FAST)
+    assert row.channels_last and row.train_step_s is not None
+    conv = torch.nn.Conv3d(2, 2, 1)  # a 5-d weight, kept as it is
+    net = to_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), conv))
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not net[0].weight.is_contiguous() and net[1].weight.is_contiguous()
+
+
 def test_no_override_keeps_config_routing(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     monkeypatch.setattr(CapsNet, "set_routing", lambda self, *a, **k: calls.append(a))

@@ -27,7 +27,7 @@ from capsctl.devices import autocast, flush_denormals, resolve_device
 from capsctl.errors import UsageError
 from capsctl.events import EventFn, emit
 from capsctl.layers import dispatch
-from capsctl.models import parameter_counts
+from capsctl.models import parameter_counts, to_channels_last
 from capsctl.models.spec import ModelConfig
 
 __all__ = ["ROUTING_MODES", "ModelSpec", "run_bench"]
@@ -182,7 +182,7 @@ def _measure(
         model.to(dev)
         x, y = x.to(dev), y.to(dev)
         if s.channels_last:
-            model.to(memory_format=torch.channels_last)
+            to_channels_last(model)
             x = x.contiguous(memory_format=torch.channels_last)
         caps_iterations, caps_routing = _apply_routing(model, s.iterations, s.routing)
         run: nn.Module = torch.compile(model) if s.compile else model  # type: ignore[assignment]

@@ -6,7 +6,13 @@ from torch import nn
 
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
-__all__ = ["CapsLayerSpec", "ModelConfig", "build_model_from_config", "parameter_counts"]
+__all__ = [
+    "CapsLayerSpec",
+    "ModelConfig",
+    "build_model_from_config",
+    "parameter_counts",
+    "to_channels_last",
+]
 
 
 def build_model_from_config(cfg: ModelConfig) -> nn.Module:
@@ -35,3 +41,17 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
         return fn()
     total = sum(p.numel() for p in model.parameters())
     return {"total": total, "backbone": total, "capsules": 0}
+
+
+def to_channels_last(model: nn.Module) -> nn.Module:
+    """``model`` with its 4-d parameters and buffers (convolution weights) in channels_last
+    memory, in place. ``model.to(memory_format=torch.channels_last)`` refuses a model with a
+    5-d parameter (self-routing's capsule weights); those keep their layout here."""
+    import torch
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):  # noqa: SLF001
+            for t in tensors.values():
+                if t is not None and t.dim() == 4:
+                    t.data = t.data.contiguous(memory_format=torch.channels_last)
+    return model

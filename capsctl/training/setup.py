@@ -32,7 +32,7 @@ from capsctl.data.prepare import RunData, prepare_data
 from capsctl.errors import CheckpointError, ConfigError
 from capsctl.events import EventFn, emit
 from capsctl.losses import eval_loss, make_loss
-from capsctl.models import build_model_from_config, parameter_counts
+from capsctl.models import build_model_from_config, parameter_counts, to_channels_last
 from capsctl.training.budget import TimeBudget
 from capsctl.training.distributed import Distributed
 from capsctl.training.interrupt import Interrupted
@@ -138,7 +138,7 @@ class RunSetUp:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model = model.to(self.device)
         if t.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+            model = to_channels_last(model)
         self.model = model
         self.optimizer = make_optimizer(model, self.preset)
 
