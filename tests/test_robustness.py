@@ -236,3 +236,17 @@ def test_robustness_summary(tiny_checkpoint: Callable[..., Path]) -> None:
     assert set(doc) >= {"fgsm_8_255_accuracy", "pgd_8_255_accuracy", "mean_corruption_accuracy"}
     assert 0 <= doc["pgd_8_255_accuracy"] <= doc["clean_accuracy"] + 1e-9
     assert 0 <= doc["mean_corruption_accuracy"] <= 1
+
+
+def test_a_picture_never_replaces_a_checkpoint_it_reads(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    ckpt = tiny_checkpoint(pics / "accuracy-vs-eps.png")  # a checkpoint under a picture's name
+    before = ckpt.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main(["robustness", str(ckpt), "--png", str(pics), "--overwrite", "--device", "cpu"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and str(ckpt) in line and "pick another output path" in line
+    assert ckpt.read_bytes() == before and [p.name for p in pics.iterdir()] == [ckpt.name]
