@@ -183,6 +183,26 @@ def test_flops_of_a_conv_and_a_linear_layer_match_hand_computation() -> None:
         count_flops(conv, (10, 10))
 
 
+def test_capsule_flops_do_not_depend_on_what_ran_before() -> None:
+    """The first count in a process loaded the compiled loops inside the counter, whose
+    self-test's matrix products were counted too (0.0843 GFLOPs for cifar10-caps-fast instead
+    of 0.0812); the count runs the torch code, the same in every call."""
+    import subprocess
+    import sys
+
+    code = (
+        "from capsctl.config import build_model\n"
+        "from capsctl.compare.flops import count_flops\n"
+        "m = build_model({'base': 'mnist-caps', 'primary_types': 4, 'layers': [],"
+        " 'input_size': 16})\n"
+        "print(count_flops(m, (1, 16, 16)), count_flops(m, (1, 16, 16)))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, second = (float(v) for v in res.stdout.split())
+    assert first == pytest.approx(second, rel=1e-12)
+
+
 def test_resnet18_flops_and_capsule_all_passes(report: tuple[CompareReport, list[dict]]) -> None:
     rep, _ = report
     resnet = row(rep, "resnet18")

@@ -45,7 +45,7 @@ def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: boo
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from capsctl.layers import routing_flop_tally
+    from capsctl.layers import dispatch, routing_flop_tally
 
     shape = [int(v) for v in input_shape]
     if len(shape) != 3 or min(shape) < 1:
@@ -58,7 +58,9 @@ def count_flops(model: nn.Module, input_shape: Sequence[int], *, all_passes: boo
     model.eval()
     try:
         counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter, routing_flop_tally() as routing:
+        # the torch code, whose matrix products the counter sees (the compiled loops and the
+        # fused kernels build the votes where it cannot): the same count whatever would run
+        with torch.no_grad(), dispatch.use("chunked"), counter, routing_flop_tally() as routing:
             if all_passes:
                 model(x, trace=True)
             else:
