@@ -31,18 +31,9 @@ LAYERS = "capsctl.layers"
 FLOORS = ("backend", "passes", "layers", "routers", "face")
 #: What code outside capsctl/layers/ may import of it.
 FACE = (LAYERS, f"{LAYERS}.routers")
-#: Private names imported across modules outside capsctl/layers/ when the rule was made, left to
-#: the owners of those rooms (``module.name`` as :func:`private_imports` names them); no other.
-PRIVATE_LEFT = frozenset(
-    {
-        "capsctl.compare.targets._dataset_key",
-        "capsctl.data.multimnist._place",
-        "capsctl.data.samples._normalize",
-        "capsctl.inspection.statistics._changed_children",
-        "capsctl.inspection.statistics._max_coefficient",
-        "capsctl.inspection.statistics._pose_cosines",
-    }
-)
+#: Private names imported across modules outside capsctl/layers/ that are tolerated: none (each
+#: is a public name of its module or stays inside it).
+PRIVATE_LEFT: frozenset[str] = frozenset()
 #: Source files besides Python that the line cap covers.
 NATIVE_SUFFIXES = (".cpp", ".h")
 

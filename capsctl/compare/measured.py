@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from capsctl.compare.targets import Target, _dataset_key
+from capsctl.compare.targets import Target, dataset_key
 
 __all__ = ["RESULTS_DIR", "is_suite_folder", "measured_from_file", "suite_member_targets"]
 
@@ -82,6 +82,6 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
     targets = []
     for m in suite.members:
         preset = resolved_pair_preset(suite, Pair(m, suite.seeds_of(m)[0], Path(".")))
-        target = Target(m.name, "suite", preset.model, None, _dataset_key(preset.data))
+        target = Target(m.name, "suite", preset.model, None, dataset_key(preset.data))
         targets.append((target, measured.get(m.name)))
     return targets

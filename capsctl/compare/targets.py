@@ -18,6 +18,7 @@ __all__ = [
     "ALIASES",
     "SUITES",
     "Target",
+    "dataset_key",
     "find_target",
     "resolve_target",
     "stored_accuracy",
@@ -79,7 +80,7 @@ def _accepted(models: list[str], presets: list[str]) -> str:
     )
 
 
-def _dataset_key(data: Any) -> str | None:
+def dataset_key(data: Any) -> str | None:
     """The dataset a preset's ``data`` section (dict or DataConfig) trains and tests on.
 
     ``"<dataset>"`` for the standard test split, ``"<dataset>[<test file stem>]"`` for another
@@ -102,7 +103,7 @@ def _checkpoint_target(name: str, path: Path) -> Target:
 
     config = model_config(path)
     preset = read_metadata(path).get("preset")
-    dataset = _dataset_key(preset.get("data")) if isinstance(preset, dict) else None
+    dataset = dataset_key(preset.get("data")) if isinstance(preset, dict) else None
     return Target(name, "checkpoint", config, path, dataset)
 
 
@@ -111,7 +112,7 @@ def _preset_target(spec: str | Path, fallback_name: str) -> Target:
 
     preset = load_preset(spec)
     name = preset.name or fallback_name
-    return Target(name, "preset", preset.model, None, _dataset_key(preset.data))
+    return Target(name, "preset", preset.model, None, dataset_key(preset.data))
 
 
 def find_target(spec: str) -> Target:

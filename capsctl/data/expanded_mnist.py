@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from capsctl.data.dataset import ArrayDataset
-from capsctl.data.multimnist import _place
+from capsctl.data.multimnist import place_digits
 
 __all__ = ["CANVAS", "SEEDS", "expanded_mnist"]
 
@@ -32,7 +32,7 @@ def expanded_mnist(mnist: ArrayDataset, seed: int, name: str = "expanded-mnist")
     canvas = torch.empty(n, CANVAS, CANVAS, dtype=torch.uint8)
     for s in range(0, n, 4096):
         e = min(s + 4096, n)
-        canvas[s:e] = _place(digits[s:e], shifts[0, s:e], shifts[1, s:e], CANVAS)
+        canvas[s:e] = place_digits(digits[s:e], shifts[0, s:e], shifts[1, s:e], CANVAS)
     return ArrayDataset(
         canvas[:, None].contiguous(), mnist.labels.clone(), list(mnist.classes), name
     )

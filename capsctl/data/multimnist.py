@@ -43,7 +43,9 @@ SINGLE_FRACTION = 1.0 / 6.0
 SEEDS = {"train": 20200101, "test": 20200202}
 
 
-def _place(digits: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, canvas: int) -> torch.Tensor:
+def place_digits(
+    digits: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, canvas: int
+) -> torch.Tensor:
     """Digits ``[n, 28, 28]`` on an empty ``canvas`` at the centre shifted by ``(dy, dx)``."""
     n, h, w = digits.shape
     top = (canvas - h) // 2 + dy  # [n]
@@ -166,8 +168,8 @@ def diverse_multimnist(
     step = 8192
     for s in range(0, count, step):
         e = min(count, s + step)
-        a = _place(digits[first[s:e]], shifts[0, s:e], shifts[1, s:e], CANVAS)  # [n, 36, 36]
-        b = _place(digits[second[s:e]], shifts[2, s:e], shifts[3, s:e], CANVAS)  # [n, 36, 36]
+        a = place_digits(digits[first[s:e]], shifts[0, s:e], shifts[1, s:e], CANVAS)  # [n, 36, 36]
+        b = place_digits(digits[second[s:e]], shifts[2, s:e], shifts[3, s:e], CANVAS)  # [n, 36, 36]
         b = b * pair[s:e, None, None]
         images[s:e, 0] = torch.maximum(a, b)
     none = torch.full_like(first, -1)

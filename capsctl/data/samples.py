@@ -16,7 +16,7 @@ from torch import Tensor
 from capsctl.checkpoint import stored_preset
 from capsctl.errors import UsageError
 
-__all__ = ["SampleImages", "sample_images"]
+__all__ = ["SampleImages", "normalize_images", "sample_images"]
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SampleImages:
     description: str
 
 
-def _normalize(raw: Tensor, mean: list[float], std: list[float]) -> Tensor:
+def normalize_images(raw: Tensor, mean: list[float], std: list[float]) -> Tensor:
     m = torch.tensor(mean).view(1, -1, 1, 1)
     s = torch.tensor(std).view(1, -1, 1, 1)
     return (raw.float() / 255.0 - m) / s
@@ -56,12 +56,14 @@ def sample_images(
         from capsctl.data.images import read_image_file
 
         raw = torch.stack([read_image_file(f, channels, size) for f in files])
-        return SampleImages(_normalize(raw, mean, std), raw, None, f"{len(files)} image file(s)")
+        return SampleImages(
+            normalize_images(raw, mean, std), raw, None, f"{len(files)} image file(s)"
+        )
     if random is not None:
         g = torch.Generator().manual_seed(seed)
         raw = torch.randint(0, 256, (random, channels, size, size), generator=g, dtype=torch.uint8)
         return SampleImages(
-            _normalize(raw, mean, std), raw, None, f"{random} random images (seed {seed})"
+            normalize_images(raw, mean, std), raw, None, f"{random} random images (seed {seed})"
         )
     preset = stored_preset(meta, Path("checkpoint"))
     if data_dir is not None:
@@ -89,7 +91,7 @@ def sample_images(
     sel = torch.tensor(idx)
     raw = ds.images[sel]
     return SampleImages(
-        _normalize(raw, mean, std),
+        normalize_images(raw, mean, std),
         raw,
         ds.labels[sel],
         f"{len(idx)} {split} images of {ds.name} "

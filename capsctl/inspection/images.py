@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from capsctl.data.samples import SampleImages, _normalize, sample_images
+from capsctl.data.samples import SampleImages, normalize_images, sample_images
 from capsctl.errors import UsageError
 
 __all__ = ["batches", "check_random", "parse_indices", "random_batches", "select_images"]
@@ -90,7 +90,7 @@ def random_batches(
     for b0 in range(0, count, size):
         shape = (min(size, count - b0), channels, side, side)
         raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)  # [b, C, H, W]
-        yield SampleImages(_normalize(raw, mean, std), raw, None, f"{count} random images")
+        yield SampleImages(normalize_images(raw, mean, std), raw, None, f"{count} random images")
 
 
 def batches(sample: SampleImages, size: int) -> Iterator[SampleImages]:

@@ -54,11 +54,14 @@ from capsctl.inspection.report import (
 )
 
 __all__ = [
+    "changed_children",
     "class_flow",
     "image_routings",
     "iteration_stats",
     "layer_routings",
+    "max_coefficient",
     "normalized_entropy",
+    "pose_cosines",
     "spatial_map",
     "top_parents",
 ]
@@ -94,12 +97,12 @@ def normalized_entropy(coeff: Tensor) -> Tensor:
     return 1.0 - kl / math.log(m)
 
 
-def _max_coefficient(coeff: Tensor) -> Tensor:
+def max_coefficient(coeff: Tensor) -> Tensor:
     r = _children(coeff)
     return (r / r.sum(-1, keepdim=True)).amax(-1)
 
 
-def _changed_children(prev: Tensor, cur: Tensor) -> Tensor:
+def changed_children(prev: Tensor, cur: Tensor) -> Tensor:
     """Per child 1.0 where its top parent at ``cur`` is not a top parent at ``prev`` (float64)."""
     p, c = _children(prev), _children(cur)
     top = c.argmax(-1, keepdim=True)
@@ -108,10 +111,10 @@ def _changed_children(prev: Tensor, cur: Tensor) -> Tensor:
 
 
 def _top_changed(prev: Tensor, cur: Tensor) -> float:
-    return float(_changed_children(prev, cur).mean())
+    return float(changed_children(prev, cur).mean())
 
 
-def _pose_cosines(prev: Tensor, cur: Tensor) -> Tensor:
+def pose_cosines(prev: Tensor, cur: Tensor) -> Tensor:
     """Per parent the cosine similarity of its poses ``cur`` and ``prev`` (float64)."""
     d = cur.shape[-1]
     # [..., d] -> [parents, d]
@@ -119,7 +122,7 @@ def _pose_cosines(prev: Tensor, cur: Tensor) -> Tensor:
 
 
 def _pose_stability(prev: Tensor, cur: Tensor) -> float:
-    return _exact_mean(_pose_cosines(prev, cur))
+    return _exact_mean(pose_cosines(prev, cur))
 
 
 def iteration_stats(coeffs: Sequence[Tensor], poses: Sequence[Tensor]) -> list[IterationStats]:
@@ -130,7 +133,7 @@ def iteration_stats(coeffs: Sequence[Tensor], poses: Sequence[Tensor]) -> list[I
             IterationStats(
                 iteration=ti + 1,
                 mean_entropy=_exact_mean(normalized_entropy(c)),
-                mean_max=_exact_mean(_max_coefficient(c)),
+                mean_max=_exact_mean(max_coefficient(c)),
                 top_changed=None if ti == 0 else _top_changed(coeffs[ti - 1], c),
                 pose_stability=None if ti == 0 else _pose_stability(poses[ti - 1], poses[ti]),
             )

@@ -27,10 +27,10 @@ from capsctl.inspection.dump import dump_metadata, dump_tensors
 from capsctl.inspection.pictures import matrix_sum
 from capsctl.inspection.report import ImageRouting, IterationStats, LayerRouting, RoutingReport
 from capsctl.inspection.statistics import (
-    _changed_children,
-    _max_coefficient,
-    _pose_cosines,
+    changed_children,
+    max_coefficient,
     normalized_entropy,
+    pose_cosines,
 )
 
 __all__ = ["DumpWriter", "RoutingTally"]
@@ -98,10 +98,10 @@ class RoutingTally:
     def _add_iteration(self, report: RoutingReport, li: int, ti: int) -> None:
         tally, c = self.layers[li][ti], report.coefficients[li][ti]
         tally.entropy.add(normalized_entropy(c))
-        tally.top.add(_max_coefficient(c))
+        tally.top.add(max_coefficient(c))
         if ti > 0:
-            tally.changed.add(_changed_children(report.coefficients[li][ti - 1], c))
-            tally.stability.add(_pose_cosines(report.poses[li][ti - 1], report.poses[li][ti]))
+            tally.changed.add(changed_children(report.coefficients[li][ti - 1], c))
+            tally.stability.add(pose_cosines(report.poses[li][ti - 1], report.poses[li][ti]))
         total, rows = matrix_sum(c, report.kinds[li], report.child_grids[li])  # [n, m]
         tally.matrix = total if tally.matrix is None else tally.matrix + total
         tally.rows += rows
