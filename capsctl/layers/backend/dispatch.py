@@ -30,6 +30,7 @@ autograd functions export and compile must not see (capsctl/layers/passes/layout
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import Counter
@@ -64,6 +65,8 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _OPEN = {"dense": 0, "chunked": 0, "triton": 0}  # open use() blocks of each backend
 _RAN: Counter[str] = Counter()  # backends chosen since reset_ran()
+_TRITON_CHECKED: dict[str, str] = {}  # device -> why its self-test failed ("" passed)
+log = logging.getLogger(__name__)
 _SITES = {"sites": 0}  # parent sites per tile fixed by use(..., sites=)
 _LOCK = threading.Lock()
 
@@ -112,10 +115,27 @@ def tracing() -> bool:
 
 
 def triton_status(device: torch.device | str) -> str:
-    """Why the Triton kernels cannot run on ``device`` ("" where they can)."""
+    """Why the Triton kernels cannot run on ``device`` ("" where they can). The first time
+    they could, on each device, they run their self-test (capsctl/layers/backend/triton/
+    check.py); a device where it fails keeps the torch code, with one warning."""
     if os.environ.get(TRITON_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
         return f"the Triton kernels are off ({TRITON_ENV}=0)"
-    return triton_backend.unavailable(device)
+    why = triton_backend.unavailable(device)
+    if why:
+        return why
+    key = str(torch.device(device))
+    if key not in _TRITON_CHECKED:
+        _TRITON_CHECKED[key] = _self_test(key)
+        if _TRITON_CHECKED[key]:
+            log.warning("%s; the routing runs as torch code there", _TRITON_CHECKED[key])
+    return _TRITON_CHECKED[key]
+
+
+@torch.compiler.disable
+def _self_test(device: str) -> str:
+    from capsctl.layers.backend.triton.check import self_test
+
+    return self_test(device)
 
 
 def _triton_reason(tensors: tuple[Tensor, ...]) -> str:

@@ -63,6 +63,38 @@ def test_the_environment_turns_the_triton_kernels_off(monkeypatch: pytest.Monkey
     assert "CAPSCTL_TRITON=0" in dispatch.triton_status("cpu")
 
 
+def test_kernels_that_fail_their_self_test_leave_the_torch_code_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from capsctl.layers.backend.triton import ops
+
+    monkeypatch.setattr(dispatch, "_TRITON_CHECKED", {})
+    assert dispatch.triton_status("cpu") == ""  # the kernels pass on the interpreter
+    real = ops.triton_routed
+
+    def wrong(*args, **kwargs):  # type: ignore[no-untyped-def]
+        s, r = real(*args, **kwargs)
+        return s * 1.01, r  # a kernel that sums 1% too much
+
+    monkeypatch.setattr(ops, "triton_routed", wrong)
+    monkeypatch.setattr(dispatch, "_TRITON_CHECKED", {})
+    with caplog.at_level("WARNING"), dispatch.use("triton"):
+        choice = dispatch.choose(torch.zeros(2))
+        assert dispatch.choose(torch.zeros(2)) == choice  # tested once per device
+    assert choice.backend != "triton"
+    why = dispatch.triton_status("cpu")
+    assert "failed their self-test on cpu" in why and "routed output 0 differs" in why
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "the routing runs as torch code there" in warnings[0]
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no kernel for this architecture")
+
+    monkeypatch.setattr(ops, "triton_routed", broken)
+    monkeypatch.setattr(dispatch, "_TRITON_CHECKED", {})
+    assert "RuntimeError: no kernel for this architecture" in dispatch.triton_status("cpu")
+
+
 def _model(router: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model({"base": PRESETS[router], **SMALL})
