@@ -190,9 +190,11 @@ def test_channels_last_takes_a_model_with_5d_capsule_weights() -> None:
     (row,) = run_bench([model], channels_last=True, **FAST)
     assert row.channels_last and row.train_step_s is not None
     conv = torch.nn.Conv3d(2, 2, 1)  # a 5-d weight, kept as it is
-    net = to_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), conv))
+    one_channel = torch.nn.Conv2d(1, 4, 3)  # [4, 1, 3, 3]: contiguous in both formats
+    net = to_channels_last(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), conv, one_channel))
     assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert not net[0].weight.is_contiguous() and net[1].weight.is_contiguous()
+    assert net[2].weight.stride() == (9, 1, 3, 1)  # the strides torch's own conversion gives
 
 
 def test_no_override_keeps_config_routing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,5 +53,5 @@ def to_channels_last(model: nn.Module) -> nn.Module:
         for tensors in (module._parameters, module._buffers):  # noqa: SLF001
             for t in tensors.values():
                 if t is not None and t.dim() == 4:
-                    t.data = t.data.contiguous(memory_format=torch.channels_last)
+                    t.data = t.data.to(memory_format=torch.channels_last)
     return model
