@@ -332,3 +332,25 @@ def test_report_adds_robustness_measured_once_per_run(
     report_suite(suite, runs, score=False, robustness=RobustSettings(limit=20))
     assert len(calls) == 4  # other settings are measured anew
     assert report_suite(suite, runs, score=False).rows[0].robustness is None
+
+
+def test_a_run_records_the_commit_it_started_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkout may move on while a run trains: its provenance names the commit of the code
+    that started it, not the one checked out when it ended."""
+    from capsctl.suites import runner
+
+    checkout = {"commit": "started-here"}
+    monkeypatch.setattr(runner, "provenance", lambda: dict(checkout))
+
+    def moves_on(e: dict) -> None:  # a commit lands while the run trains
+        if e["event"] == "step":
+            checkout["commit"] = "checked-out-later"
+
+    suite = load_suite(tiny_suite(tmp_path))
+    runner.run_suite(
+        suite, tmp_path / "out", only=["dynamic"], handle_sigint=False, on_event=moves_on
+    )
+    doc = json.loads((tmp_path / "out/dynamic/seed-0/provenance.json").read_text())
+    assert [t["commit"] for t in doc["trained_by"]] == ["started-here"]

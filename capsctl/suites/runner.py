@@ -218,12 +218,14 @@ def score_run(
     return doc
 
 
-def _record_provenance(folder: Path, resumed: bool) -> None:
-    """Append this process's commit, machine and versions to the run's ``provenance.json``:
-    every process that trained a run is named (a resumed run has several)."""
+def _record_provenance(folder: Path, resumed: bool, record: dict[str, Any] | None = None) -> None:
+    """Append this process's commit, machine and versions (``record``: as taken when its
+    training started, since the checkout may move on while it trains) to the run's
+    ``provenance.json``: every process that trained a run is named (a resumed run has
+    several)."""
     path = folder / "provenance.json"
     doc = read_json(path) or {"trained_by": []}
-    doc["trained_by"].append({**provenance(), "resumed": resumed})
+    doc["trained_by"].append({**(record or provenance()), "resumed": resumed})
     write_text_atomic(path, json.dumps(doc, indent=2))
 
 
@@ -288,6 +290,7 @@ def run_suite(
                         data_dir=data_dir,
                     )
                 else:
+                    started = provenance()  # the code that trains: the commit as it starts
                     train_from_preset(
                         suite.recipe,
                         out=pair.folder,
@@ -296,7 +299,7 @@ def run_suite(
                         handle_sigint=handle_sigint,
                         data_dir=data_dir,
                     )
-                    _record_provenance(pair.folder, False)
+                    _record_provenance(pair.folder, False, started)
             except FolderBusy:
                 record["status"] = "busy"
                 done.append(record)
