@@ -5,11 +5,16 @@ with ``from conftest import run_cli``), one tiny trained run for the whole sessi
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
-import pytest
-from tiny import tiny_args
+# Triton's interpreter runs the Triton kernels on the CPU (tests/layers/backend/test_triton_*.py);
+# it must be asked for before anything imports Triton (torch._dynamo does), so here, first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from tiny import tiny_args  # noqa: E402
 
 #: Steps per epoch of the session's tiny trained run (one epoch, batch 16).
 TINY_RUN_STEPS = 20

@@ -125,13 +125,15 @@ def triton_status(device: torch.device | str) -> str:
         return why
     key = str(torch.device(device))
     if key not in _TRITON_CHECKED:
-        _TRITON_CHECKED[key] = _self_test(key)
+        # out of any graph torch.compile traces; wrapped here, not at import: the wrapper
+        # imports torch._dynamo (slow), which imports Triton before a test can ask for its
+        # interpreter
+        _TRITON_CHECKED[key] = torch.compiler.disable(_self_test)(key)
         if _TRITON_CHECKED[key]:
             log.warning("%s; the routing runs as torch code there", _TRITON_CHECKED[key])
     return _TRITON_CHECKED[key]
 
 
-@torch.compiler.disable
 def _self_test(device: str) -> str:
     from capsctl.layers.backend.triton.check import self_test
 

@@ -146,3 +146,22 @@ def test_a_training_step_through_the_triton_passes_equals_the_torch_code(
     for got, want in zip(fused, slow, strict=True):
         scale = max(want.abs().max().item(), floor)
         assert (got - want).abs().max().item() / scale < 1e-4
+
+
+def test_importing_capsctl_imports_neither_triton_nor_dynamo() -> None:
+    """Triton takes ``TRITON_INTERPRET`` when it is first imported, and torch._dynamo imports it
+    (and costs a second at start-up): the package and its command line leave both unimported
+    until a pass or ``--compile`` needs them (a decorator at import once did)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, capsctl, capsctl.layers, capsctl.cli, capsctl.training\n"
+        "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
