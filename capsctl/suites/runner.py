@@ -248,7 +248,6 @@ def run_suite(
     handle_sigint: bool = True,
 ) -> SuiteRunResult:
     """Train, resume or score every selected pair; see the module docstring."""
-    from capsctl.training import train_from_preset
     from capsctl.training.ownership import FolderBusy
 
     pairs = plan_pairs(suite, out, only, seeds)
@@ -277,29 +276,10 @@ def run_suite(
             done.append(record)
             continue
         if status in ("new", "partial"):
-            overrides = suite.overrides(pair.member, pair.seed)
-            if limit is not None:
-                overrides.append(f"train.time_limit={limit:.0f}")
             try:
-                if status == "partial":
-                    _record_provenance(pair.folder, True)
-                    train_from_preset(
-                        resume=pair.folder / "last.safetensors",
-                        on_event=on_event,
-                        handle_sigint=handle_sigint,
-                        data_dir=data_dir,
-                    )
-                else:
-                    started = provenance()  # the code that trains: the commit as it starts
-                    train_from_preset(
-                        suite.recipe,
-                        out=pair.folder,
-                        overrides=overrides,
-                        on_event=on_event,
-                        handle_sigint=handle_sigint,
-                        data_dir=data_dir,
-                    )
-                    _record_provenance(pair.folder, False, started)
+                _train_pair(
+                    suite, pair, status == "partial", limit, on_event, handle_sigint, data_dir
+                )
             except FolderBusy:
                 record["status"] = "busy"
                 done.append(record)
@@ -309,6 +289,32 @@ def run_suite(
         record["status"] = "done"
         done.append(record)
     return SuiteRunResult(done)
+
+
+def _train_pair(
+    suite: Suite,
+    pair: Pair,
+    resume: bool,
+    limit: float | None,
+    on_event: EventFn,
+    handle_sigint: bool,
+    data_dir: str | None,
+) -> None:
+    """Train a new pair (``limit``: a matched member's time limit) or resume a partial one,
+    and record what trained it."""
+    from capsctl.training import train_from_preset
+
+    common = {"on_event": on_event, "handle_sigint": handle_sigint, "data_dir": data_dir}
+    if resume:
+        _record_provenance(pair.folder, True)
+        train_from_preset(resume=pair.folder / "last.safetensors", **common)
+        return
+    overrides = suite.overrides(pair.member, pair.seed)
+    if limit is not None:
+        overrides.append(f"train.time_limit={limit:.0f}")
+    started = provenance()  # the code that trains: the commit as it starts
+    train_from_preset(suite.recipe, out=pair.folder, overrides=overrides, **common)
+    _record_provenance(pair.folder, False, started)
 
 
 def pair_commands(
