@@ -112,9 +112,16 @@ def test_the_chunks_run_in_single_threaded_workers(threads, monkeypatch) -> None
     threads(2)
     seen: list[tuple[str, int]] = []
     votes = tiles.Chunk.votes
+    # each worker's first tile waits for the other's: the two spans run at once, in two
+    # threads, however busy the machine is (else one worker may take both in turn)
+    both = threading.Barrier(2, timeout=60)
 
     def spy(self, xc, wc):  # noqa: ANN001, ANN202
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        name = threading.current_thread().name
+        if all(n != name for n, _ in seen):
+            seen.append((name, torch.get_num_threads()))
+            both.wait()
+        seen.append((name, torch.get_num_threads()))
         return votes(self, xc, wc)
 
     monkeypatch.setattr(tiles.Chunk, "votes", spy)
