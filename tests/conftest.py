@@ -33,6 +33,33 @@ def run_cli(capsys: pytest.CaptureFixture[str], args: Sequence[str]) -> tuple[in
     return code, out, err
 
 
+def fake_finished_run(
+    folder: Path,
+    seconds: float,
+    tests: dict[str, tuple[float, int]],
+    *,
+    checkpoints: bool = True,
+) -> Path:
+    """A finished suite pair's folder without training: results (``seconds`` of wall time, two
+    epochs at 100 and 300 images/s), test scores ``{test: (accuracy, images)}``, provenance,
+    metrics and (dummy) checkpoints."""
+    import json
+
+    folder.mkdir(parents=True)
+    history = [{"epoch": 1, "images_per_s": 100.0}, {"epoch": 2, "images_per_s": 300.0}]
+    res = {"test": {"accuracy": 0.5}, "seconds": seconds, "epochs_done": 2, "history": history}
+    (folder / "results.json").write_text(json.dumps(res))
+    doc = {"tests": {k: {"accuracy": a, "count": n} for k, (a, n) in tests.items()}}
+    (folder / "tests.json").write_text(json.dumps(doc))
+    trained = {"trained_by": [{"cpu": "Test CPU", "cores": 4, "commit": "abc"}]}
+    (folder / "provenance.json").write_text(json.dumps(trained))
+    (folder / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
+    if checkpoints:
+        (folder / "best.safetensors").write_bytes(b"weights")
+        (folder / "last.safetensors").write_bytes(b"weights and optimizer")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run folder of one tiny capsule net trained once per session on the embedded

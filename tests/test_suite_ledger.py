@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import fake_finished_run as _run
 from conftest import run_cli
 
 from capsctl.errors import CapsctlError
@@ -25,29 +26,6 @@ def _suite_file(folder: Path) -> Path:
     path = folder / "s.yaml"
     path.write_text(SUITE)
     return path
-
-
-def _run(
-    folder: Path,
-    seconds: float,
-    tests: dict[str, tuple[float, int]],
-    *,
-    checkpoints: bool = True,
-) -> Path:
-    """A finished pair's folder: results, test scores, provenance and (dummy) checkpoints."""
-    folder.mkdir(parents=True)
-    history = [{"epoch": 1, "images_per_s": 100.0}, {"epoch": 2, "images_per_s": 300.0}]
-    res = {"test": {"accuracy": 0.5}, "seconds": seconds, "epochs_done": 2, "history": history}
-    (folder / "results.json").write_text(json.dumps(res))
-    doc = {"tests": {k: {"accuracy": a, "count": n} for k, (a, n) in tests.items()}}
-    (folder / "tests.json").write_text(json.dumps(doc))
-    trained = {"trained_by": [{"cpu": "Test CPU", "cores": 4, "commit": "abc"}]}
-    (folder / "provenance.json").write_text(json.dumps(trained))
-    (folder / "metrics.jsonl").write_text('{"epoch": 1}\n{"epoch": 2}\n')
-    if checkpoints:
-        (folder / "best.safetensors").write_bytes(b"weights")
-        (folder / "last.safetensors").write_bytes(b"weights and optimizer")
-    return folder
 
 
 # -- archiving ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import fake_finished_run, run_cli
 
 from capsctl.errors import CapsctlError, ConfigError
 from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
@@ -122,15 +122,6 @@ def test_aggregation_against_typed_numbers() -> None:
     assert single.mean == pytest.approx(0.92) and single.std is None and single.se is None
 
 
-def _fake_run(folder: Path, seconds: float, tests: dict[str, tuple[float, int]]) -> None:
-    folder.mkdir(parents=True)
-    history = [{"epoch": 1, "images_per_s": 100.0}, {"epoch": 2, "images_per_s": 300.0}]
-    res = {"test": {"accuracy": 0.5}, "seconds": seconds, "epochs_done": 2, "history": history}
-    (folder / "results.json").write_text(json.dumps(res))
-    doc = {"tests": {k: {"accuracy": a, "count": n} for k, (a, n) in tests.items()}}
-    (folder / "tests.json").write_text(json.dumps(doc))
-
-
 def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     suite_file = tmp_path / "s.yaml"
     suite_file.write_text(
@@ -140,9 +131,9 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     )
     suite = load_suite(suite_file)
     runs = tmp_path / "runs"
-    _fake_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)})
-    _fake_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})
-    _fake_run(runs / "cnn/seed-1", 50.0, {"t1": (0.60, 200)})
+    fake_finished_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)}, checkpoints=False)
+    fake_finished_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)}, checkpoints=False)
+    fake_finished_run(runs / "cnn/seed-1", 50.0, {"t1": (0.60, 200)}, checkpoints=False)
     report = report_suite(suite, runs, score=False)
     caps, cnn = report.rows
     assert caps.seeds_done == [0, 1] and cnn.seeds_done == [1]
@@ -305,8 +296,8 @@ def test_report_adds_robustness_measured_once_per_run(
         "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n  - name: caps\n"
     )
     runs = tmp_path / "runs"
-    _fake_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)})
-    _fake_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})
+    fake_finished_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)}, checkpoints=False)
+    fake_finished_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)}, checkpoints=False)
     for seed in (0, 1):  # weights to measure (the measurement itself is faked)
         (runs / f"caps/seed-{seed}/best.safetensors").write_bytes(b"")
     calls: list[tuple[str, int | None]] = []
