@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from routing_steps import assert_same_step, routing_model, training_step
 
 from capsctl.layers.backend import bindings, dispatch, native
 from capsctl.layers.passes.em_moments import VoteMoments, VoteQuad, vote_shift
@@ -400,40 +401,14 @@ def test_the_fused_self_routing_pass_counts_the_logits_flops() -> None:
 @pytest.mark.parametrize("router", ["idpa", "self", "dynamic", "em"])
 def test_a_training_step_equals_the_torch_code(router: str) -> None:
     _require_native()
-    from capsctl.config import build_model, resolve_config
-
-    preset = {
-        "idpa": "cifar10-caps-simple",
-        "self": "cifar10-self-simple",
-        "dynamic": "cifar10-dynamic-simple",
-        "em": "cifar10-em-simple",
-    }[router]
-    torch.manual_seed(0)
-    model = build_model(resolve_config(preset))
-    if router == "idpa":
-        model.set_routing(3, "sequential")
-    with torch.no_grad():  # self-routing starts uniform (zero routing weights): give it a gating
-        for name, p in model.named_parameters():
-            if name.split(".")[-1] in ("route_weight", "route_bias"):
-                p.normal_(0.0, 0.5)
+    model = routing_model(router)
     x = torch.randn(2, 3, 32, 32)
-
-    def step() -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        out = model(x)
-        out.float().square().sum().backward()
-        return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    fast = step()
+    fast = training_step(model, x)
     with dispatch.use("chunked"):
-        slow = step()
-    assert len(fast) == len(slow) > 1
+        slow = training_step(model, x)
     # a gradient that is zero but for rounding (about 1e-13 here) is compared on the scale of
     # the largest one
-    floor = 1e-6 * max(t.abs().max().item() for t in slow)
-    for got, want in zip(fast, slow, strict=True):
-        scale = max(want.abs().max().item(), floor)
-        assert (got - want).abs().max().item() / scale < 1e-4
+    assert_same_step(fast, slow, floor=1e-6)
 
 
 def test_the_library_is_built_once_into_the_cache(

@@ -13,7 +13,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton cannot import (it ships with torch's CUDA wheels)")
 
-from capsctl.config import build_model  # noqa: E402
+from routing_steps import assert_same_step, routing_model, training_step  # noqa: E402
+
 from capsctl.layers.backend import dispatch  # noqa: E402
 
 # small versions of the four routing algorithms' CIFAR-10 models: two conv capsule layers (one
@@ -32,12 +33,6 @@ OPS = {
     "dynamic": ("ops", "triton_routed"),
     "em": ("em_ops", "triton_em_moments", "triton_em_quad"),
     "self": ("ops", "triton_gated"),
-}
-PRESETS = {
-    "idpa": "cifar10-caps-simple",
-    "dynamic": "cifar10-dynamic-simple",
-    "em": "cifar10-em-simple",
-    "self": "cifar10-self-simple",
 }
 
 
@@ -95,18 +90,6 @@ def test_kernels_that_fail_their_self_test_leave_the_torch_code_with_one_warning
     assert "RuntimeError: no kernel for this architecture" in dispatch.triton_status("cpu")
 
 
-def _model(router: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = build_model({"base": PRESETS[router], **SMALL})
-    if router == "idpa":
-        model.set_routing(3, "sequential")  # routed passes in every layer, three times
-    with torch.no_grad():  # self-routing starts uniform (zero routing weights): give it a gating
-        for name, p in model.named_parameters():
-            if name.split(".")[-1] in ("route_weight", "route_bias"):
-                p.normal_(0.0, 0.5)
-    return model
-
-
 @pytest.mark.parametrize("router", ["idpa", "dynamic", "em", "self"])
 def test_a_training_step_through_the_triton_passes_equals_the_torch_code(
     router: str, monkeypatch: pytest.MonkeyPatch
@@ -123,29 +106,18 @@ def test_a_training_step_through_the_triton_passes_equals_the_torch_code(
             return _op(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
-    model = _model(router)
+    model = routing_model(router, **SMALL)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-
-    def step() -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        out = model(x)
-        out.float().square().sum().backward()
-        return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
     dispatch.reset_ran()
     with dispatch.use("triton"):
-        fused = step()
+        fused = training_step(model, x)
     assert dispatch.ran().get("triton", 0) > 0, dispatch.ran()
     assert sorted(calls) == sorted(OPS[router][1:]), calls  # the fused kernels ran
     with dispatch.use("chunked"):
-        slow = step()
-    assert len(fused) == len(slow) > 1
+        slow = training_step(model, x)
     # a gradient that is zero but for rounding (1e-8 here) is compared on the scale of the
     # largest one: the kernels add their tiles atomically, in another order than the torch code
-    floor = 1e-3 * max(t.abs().max().item() for t in slow)
-    for got, want in zip(fused, slow, strict=True):
-        scale = max(want.abs().max().item(), floor)
-        assert (got - want).abs().max().item() / scale < 1e-4
+    assert_same_step(fused, slow, floor=1e-3)
 
 
 def test_importing_capsctl_imports_neither_triton_nor_dynamo() -> None:
