@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from capsctl.errors import CapsctlError
+from capsctl.user_cache import cache_root
 
 __all__ = ["COMPILE_CACHE_ENV", "unsafe_folder", "use_private_compile_cache"]
 
@@ -46,25 +47,6 @@ def unsafe_folder(path: Path) -> str | None:
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
     return None
-
-
-def _cache_root() -> Path | None:
-    """capsctl's cache folder, or None where this user has no home folder."""
-    env = os.environ.get("CAPSCTL_CACHE", "").strip()
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "capsctl"
-    home = os.environ.get("HOME", "").strip()
-    if not home and hasattr(os, "getuid"):
-        try:
-            import pwd
-
-            home = pwd.getpwuid(os.getuid()).pw_dir
-        except (ImportError, KeyError):
-            home = ""
-    return Path(home) / ".cache" / "capsctl" if home else None
 
 
 def use_private_compile_cache() -> Path:
@@ -99,7 +81,7 @@ def _torch_default() -> str:
 
 
 def _private_cache_folder() -> Path:
-    root = _cache_root()
+    root = cache_root()
     if root is not None:
         folder = root / "inductor"
         try:

@@ -34,6 +34,7 @@ LAYERS = [
             "capsctl.version",
             "capsctl.memory",
             "capsctl.threads",
+            "capsctl.user_cache",
         ],
     ),
     ("layers", ["capsctl.layers"]),

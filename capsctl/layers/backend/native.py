@@ -40,7 +40,6 @@ import hashlib
 import logging
 import os
 import platform
-import pwd
 import re
 import shlex
 import shutil
@@ -50,6 +49,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from capsctl.layers.backend import native_check
+from capsctl.user_cache import CACHE_ENV as USER_CACHE_ENV
+from capsctl.user_cache import cache_root
 
 __all__ = [
     "ABI",
@@ -67,7 +68,7 @@ __all__ = [
 NATIVE_ENV = "CAPSCTL_NATIVE"
 #: Environment variable: folder of compiled libraries (default ``$XDG_CACHE_HOME/capsctl`` or
 #: ``~/.cache/capsctl``, then a private temporary folder where neither can be used).
-CACHE_ENV = "CAPSCTL_CACHE"
+CACHE_ENV = USER_CACHE_ENV
 #: The folder of the C++ sources.
 CSRC = Path(__file__).with_name("csrc")
 #: The sources built into the one library: one per pass (and abi.cpp), the poses' LayerNorm.
@@ -130,28 +131,9 @@ ARGTYPES: dict[str, list[type]] = {
 }
 
 
-def _home() -> str | None:
-    """The home folder: ``$HOME`` when set and not empty, else the password database's."""
-    home = os.environ.get("HOME", "").strip()
-    if home:
-        return home
-    try:
-        return pwd.getpwuid(os.getuid()).pw_dir or None
-    except KeyError:
-        return None
-
-
 def _cache_dir() -> Path | None:
-    """``$CAPSCTL_CACHE``, else ``$XDG_CACHE_HOME/capsctl`` (an absolute path), else
-    ``~/.cache/capsctl``; empty variables count as unset; None where there is no home."""
-    env = os.environ.get(CACHE_ENV, "").strip()
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "capsctl"
-    home = _home()
-    return None if home is None else Path(home) / ".cache" / "capsctl"
+    """capsctl's cache folder (capsctl/user_cache.py); None where there is no home."""
+    return cache_root()
 
 
 def _folders() -> list[Path]:
