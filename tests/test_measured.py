@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import fake_finished_run, run_cli
 
 import capsctl.compare.measured as measured
-from tests.test_suites import _fake_run
 
 SUITE = (
     "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nresults: s-cpu.csv\nmembers:\n"
@@ -20,8 +19,8 @@ SUITE = (
 
 def _suite_folder(tmp_path: Path) -> Path:
     runs = tmp_path / "runs"
-    _fake_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)})
-    _fake_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)})
+    fake_finished_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)}, checkpoints=False)
+    fake_finished_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)}, checkpoints=False)
     (runs / "suite.yaml").write_text(SUITE)
     return runs
 

@@ -237,7 +237,11 @@ def test_the_shipped_results_file_is_the_report_of_the_shipped_ledger() -> None:
     suite = load_suite(ledger / "suite.yaml")
     args = ["suite", "report", str(ledger), "--no-score", "--csv"]
     done = subprocess.run(
-        [sys.executable, "-m", "capsctl", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "capsctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     shipped = (ROOT / "capsctl/results" / suite.results).read_text(encoding="utf-8")
