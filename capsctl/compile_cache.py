@@ -18,35 +18,18 @@ import getpass
 import logging
 import os
 import re
-import stat
 import tempfile
 from pathlib import Path
 
 from capsctl.errors import CapsctlError
-from capsctl.user_cache import cache_root
+from capsctl.user_cache import cache_root, not_private
 
-__all__ = ["COMPILE_CACHE_ENV", "unsafe_folder", "use_private_compile_cache"]
+__all__ = ["COMPILE_CACHE_ENV", "use_private_compile_cache"]
 
 #: TorchInductor's environment variable for its cache folder.
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 log = logging.getLogger(__name__)
-
-
-def unsafe_folder(path: Path) -> str | None:
-    """Why code must not be loaded from the folder ``path``, or None: it must be a folder of
-    this user that no other user can write to."""
-    try:
-        info = os.stat(path)
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    if not stat.S_ISDIR(info.st_mode):
-        return "is not a folder"
-    if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        return f"belongs to another user (uid {info.st_uid}, you are {os.getuid()})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"can be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
-    return None
 
 
 def use_private_compile_cache() -> Path:
@@ -56,7 +39,7 @@ def use_private_compile_cache() -> Path:
     given = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if given and os.path.abspath(given) != _torch_default():  # torch sets it on first use
         folder = Path(given)
-        why = unsafe_folder(folder) if folder.exists() else None
+        why = not_private(folder) if folder.exists() else None
         if why is not None:
             raise CapsctlError(
                 f"{COMPILE_CACHE_ENV}={given}: the folder {why}, and torch.compile loads code "
@@ -86,7 +69,7 @@ def _private_cache_folder() -> Path:
         folder = root / "inductor"
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            why = unsafe_folder(folder)
+            why = not_private(folder)
         except OSError as e:
             why = f"cannot be made ({e.strerror})"
         if why is None:

@@ -93,6 +93,21 @@ def _run_in_an_empty_folder(
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
+@pytest.fixture(autouse=True)
+def _library_logging_as_found() -> Iterator[None]:
+    """The ``capsctl`` logger as it was before each test: a command line run in the process
+    (:func:`run_cli`) gives it a stderr handler and stops it propagating, which would hide its
+    records from every later test's ``caplog``."""
+    import logging
+
+    log = logging.getLogger("capsctl")
+    handlers, level, propagate = list(log.handlers), log.level, log.propagate
+    yield
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    log.propagate = propagate
+
+
 @pytest.fixture
 def eager_routing() -> Iterator[None]:
     """Run the routed and weighted passes as torch code (not the compiled loops of

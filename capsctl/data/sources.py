@@ -39,6 +39,7 @@ from capsctl.data.idx import read_idx
 from capsctl.data.imagefolder import load_imagefolder
 from capsctl.errors import DataError
 from capsctl.events import EventFn, emit
+from capsctl.user_cache import home_folder
 
 __all__ = [
     "FASHION_MNIST_SYSTEM_DIR",
@@ -82,16 +83,8 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
 
 
 def _home() -> Path:
-    """The user's home folder: ``$HOME``, or the user database's when HOME is unset or empty."""
-    home = os.environ.get("HOME", "").strip()
-    if home or os.name == "nt":
-        return Path(home) if home else Path.home()
-    try:
-        import pwd
-
-        found = pwd.getpwuid(os.getuid()).pw_dir
-    except (ImportError, KeyError, OSError):
-        found = ""
+    """The user's home folder (:func:`capsctl.user_cache.home_folder`), or a one-line error."""
+    found = home_folder()
     if not found:
         raise DataError(
             "HOME is empty and this user has no home folder; set CAPSCTL_DATA or pass "

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from capsctl.layers.backend import native_check
 from capsctl.user_cache import CACHE_ENV as USER_CACHE_ENV
-from capsctl.user_cache import cache_root
+from capsctl.user_cache import cache_root, not_private
 
 __all__ = [
     "ABI",
@@ -244,7 +244,7 @@ def _private_folders() -> Iterator[Path]:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
             continue  # cannot be made here (read-only, or a file in the way): the next one
-        why = native_check.unsafe(folder, folder=True)
+        why = not_private(folder)
         if why is None:
             yield folder
         else:

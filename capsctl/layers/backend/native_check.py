@@ -2,9 +2,10 @@
 used.
 
 Before loading: the library and its folder belong to this user and no other user can write to
-them (:func:`unsafe`), and the file matches the size and checksum recorded atomically next to it
-when it was built (:func:`verify`, :func:`write_checksum`), so that a truncated file (which
-would kill the process with SIGBUS when its pages are read) or another user's is never loaded.
+them (:func:`capsctl.user_cache.not_private`), and the file matches the size and checksum
+recorded atomically next to it when it was built (:func:`verify`, :func:`write_checksum`), so
+that a truncated file (which would kill the process with SIGBUS when its pages are read) or
+another user's is never loaded.
 
 Before use: the self-test (:func:`self_test`) runs every function of csrc/ (the vote-sized
 passes and the LayerNorm), forward and backward, on small inputs against the same math written
@@ -13,7 +14,8 @@ built, or one whose loops were miscompiled, fails here and is never used: the to
 instead.
 The inputs come from a private generator (the global random state is untouched); every output
 buffer starts as NaN, so a loop that writes nothing fails too. Letters and layouts as in
-capsctl/layers/backend/bindings.py. Imports nothing of capsctl (native.py calls it).
+capsctl/layers/backend/bindings.py. Of capsctl it imports only the leaf capsctl.user_cache
+(native.py calls it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import contextlib
 import ctypes
 import hashlib
 import os
-import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SelfTestError", "self_test", "unsafe", "verify", "write_checksum"]
+from capsctl.user_cache import not_private
+
+__all__ = ["SelfTestError", "self_test", "verify", "write_checksum"]
 
 # (a, x, c, m): the sizes compiled in (4x4 poses and 16-d vectors with 32 and 10 parents),
 # 4x4 poses with a run-time parent count and a shape of run-time sizes only
@@ -47,22 +50,6 @@ class SelfTestError(RuntimeError):
     """A pass of the library gave other numbers than the torch code (the message says which)."""
 
 
-def unsafe(path: Path, *, folder: bool) -> str | None:
-    """Why ``path`` may not hold (``folder``) or be a library this process loads, or None: it
-    must be a folder (a regular file) of this user that no other user can write to."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror})"
-    if not (stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode)):
-        return "is not a folder" if folder else "is not a regular file"
-    if st.st_uid != os.getuid():
-        return f"belongs to another user (uid {st.st_uid}, you are {os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -75,7 +62,7 @@ def _sum_file(library: Path) -> Path:
 def verify(library: Path) -> str | None:
     """Why the cached ``library`` cannot be loaded (it is missing, another user's, truncated
     or changed since it was built), or None: its size and checksum match the record."""
-    why = unsafe(library, folder=False)
+    why = not_private(library, folder=False)
     if why is not None:
         return "missing" if not library.exists() else f"it {why}"
     try:
