@@ -1,0 +1,212 @@
+"""The README's robustness tables, generated from the measurements kept in
+``benchmarks/robustness/``.
+
+Each measured checkpoint is a folder ``benchmarks/robustness/SUITE/MEMBER/seed-N/`` holding the
+``--json`` output of ``capsctl robustness`` for each kind of measurement it had:
+
+- ``attacks.json``: ``--attack fgsm,pgd --eps 1/255,2/255,4/255,8/255 --limit 1000``;
+- ``corruptions.json``: ``--attack none --corruptions --limit 1000``;
+- ``rotate.json``, ``translate.json``: ``--attack none --shift rotate|translate --limit 1000``;
+
+and ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``: where it was measured).
+``python scripts/robustness_table.py`` prints every suite's tables; ``--write README.md``
+replaces the text between ``<!-- robustness:SUITE -->`` and ``<!-- /robustness:SUITE -->``;
+``--check README.md`` exits 1 when those blocks differ from the measurements (the tests run
+it). Members are listed in the suite's order (``benchmarks/suites/SUITE/suite.yaml`` or the
+shipped preset), seeds in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "benchmarks" / "robustness"
+KINDS = ("attacks", "corruptions", "rotate", "translate")
+_BLOCK = re.compile(
+    r"(<!-- robustness:(?P<name>[\w.-]+) -->\n)(.*?)(<!-- /robustness:(?P=name) -->)", re.S
+)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
+def _result(folder: Path, kind: str) -> dict[str, Any] | None:
+    """The one checkpoint's result in ``folder/kind.json``, or None when it was not measured."""
+    path = folder / f"{kind}.json"
+    if not path.is_file():
+        return None
+    (result,) = json.loads(path.read_text(encoding="utf-8"))["results"]
+    return result
+
+
+def _member_order(suite: str) -> list[str]:
+    """The suite's members in its own order: from its ledger's suite.yaml, else the preset."""
+    for path in (
+        ROOT / "benchmarks" / "suites" / suite / "suite.yaml",
+        ROOT / "presets" / "suites" / f"{suite.removesuffix('-cpu')}.yaml",
+    ):
+        if path.is_file():
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+            return [m["name"] for m in doc.get("members", [])]
+    return []
+
+
+def checkpoints(suite_folder: Path) -> list[tuple[str, int, Path]]:
+    """(member, seed, folder) of every measured checkpoint, in the suite's member order."""
+    order = _member_order(suite_folder.name)
+    found = [
+        (f.parent.name, int(f.name.removeprefix("seed-")), f)
+        for f in suite_folder.glob("*/seed-*")
+        if f.is_dir() and f.name.removeprefix("seed-").isdigit()
+    ]
+    rank = {m: i for i, m in enumerate(order)}
+    return sorted(found, key=lambda t: (rank.get(t[0], len(rank)), t[0], t[1]))
+
+
+def _sweep(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return "-"
+    return " / ".join(_pct(s["accuracy"]) for s in result["shifts"])
+
+
+def _magnitudes(rows: list[dict[str, Any] | None], unit: str) -> str:
+    for r in rows:
+        if r is not None:
+            return "/".join(f"{s['magnitude']:g}" for s in r["shifts"]) + unit
+    return ""
+
+
+def _attack_cells(
+    result: dict[str, Any] | None, attack: str, radii: list[float]
+) -> tuple[str, str]:
+    """Accuracy at each of ``radii`` (``-`` where not measured) and the success rate at the
+    largest radius measured, for one untargeted attack."""
+    found = {
+        round(a["eps"] * 255, 3): a
+        for a in (result or {}).get("attacks", [])
+        if a["attack"] == attack and not a["targeted"]
+    }
+    if not found:
+        return "-", "-"
+    cells = " / ".join(_pct(found[e]["accuracy"]) if e in found else "-" for e in radii)
+    return cells, _pct(found[max(found)]["success_rate"])
+
+
+def _radii(rows: list[dict[str, Any] | None]) -> list[float]:
+    """Every radius (in 1/255) any checkpoint was attacked at, ascending."""
+    return sorted({round(a["eps"] * 255, 3) for r in rows if r for a in r["attacks"]})
+
+
+def table(suite_folder: Path) -> str:
+    """Two markdown tables of one suite's measured checkpoints (attacks and corruptions; shift
+    sweeps) and a line naming where and at which commits they were measured."""
+    found = checkpoints(suite_folder)
+    if not found:
+        return "(no robustness measured yet)\n"
+    res = {(m, s): {k: _result(f, k) for k in KINDS} for m, s, f in found}
+    attacks = [r["attacks"] for r in res.values()]
+    radii = _radii(attacks)
+    eps = " / ".join(f"{e:g}" for e in radii) + " (/255)"
+    lines = [
+        f"| checkpoint | clean | FGSM {eps} | PGD-10 {eps} | FGSM / PGD-10 success at "
+        "the largest | CIFAR-10-C mean (15 x 5) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (member, seed), r in res.items():
+        any_result = next((v for v in r.values() if v is not None), None)
+        clean = None if any_result is None else any_result["clean_accuracy"]
+        fgsm, fgsm_success = _attack_cells(r["attacks"], "fgsm", radii)
+        pgd, pgd_success = _attack_cells(r["attacks"], "pgd", radii)
+        corr = r["corruptions"]
+        mean_corr = None if corr is None else corr["mean_corruption_accuracy"]
+        lines.append(
+            f"| {member}, seed {seed} | {_pct(clean)} | {fgsm} | {pgd} | "
+            f"{fgsm_success} / {pgd_success} | {_pct(mean_corr)} |"
+        )
+    rotations = _magnitudes([r["rotate"] for r in res.values()], " degrees")
+    shifts = _magnitudes([r["translate"] for r in res.values()], " px")
+    lines += [
+        "",
+        f"| checkpoint | rotated by {rotations} | translated by {shifts} |",
+        "|---|---|---|",
+    ]
+    for (member, seed), r in res.items():
+        lines.append(
+            f"| {member}, seed {seed} | {_sweep(r['rotate'])} | {_sweep(r['translate'])} |"
+        )
+    machines: set[str] = set()
+    commits: dict[str, list[str]] = defaultdict(list)
+    for member, seed, folder in found:
+        p = json.loads((folder / "provenance.json").read_text(encoding="utf-8"))
+        machines.add(f"{p['cpu']} ({p['cores']} cores), torch {p['torch']}")
+        commits[p["commit"][:9]].append(f"{member} {seed}")
+    datasets = sorted(
+        {
+            f"{v['dataset']}, first {v['count']:,} images"
+            for r in res.values()
+            for v in r.values()
+            if v
+        }
+    )
+    which = ", ".join(f"{c} ({', '.join(m)})" for c, m in commits.items())
+    rel = suite_folder.relative_to(ROOT) if suite_folder.is_relative_to(ROOT) else suite_folder
+    lines += [
+        "",
+        f"Accuracy in % on {'; '.join(datasets)}. Measured on {'; '.join(sorted(machines))}; "
+        f"capsctl commits {which}; `{rel}/`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render(text: str, root: Path | None = None) -> str:
+    """``text`` with every robustness block replaced by its tables (of ``root``, by default
+    benchmarks/robustness/)."""
+    root = MEASURED if root is None else root
+
+    def one(m: re.Match[str]) -> str:
+        return m.group(1) + table(root / m.group("name")) + m.group(4)
+
+    return _BLOCK.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--write", type=Path, help="replace the README's robustness blocks")
+    group.add_argument("--check", type=Path, help="exit 1 when the README's blocks are stale")
+    args = ap.parse_args(argv)
+    if args.write or args.check:
+        path = args.write or args.check
+        text = path.read_text(encoding="utf-8")
+        new = render(text)
+        if args.check:
+            if new != text:
+                print(
+                    f"{path}: robustness tables differ from benchmarks/robustness/; run "
+                    f"python scripts/robustness_table.py --write {path}",
+                    file=sys.stderr,
+                )
+                return 1
+            return 0
+        if new != text:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(new, encoding="utf-8")
+            tmp.replace(path)
+        return 0
+    for folder in sorted(p for p in MEASURED.glob("*") if p.is_dir()):
+        print(f"## {folder.name}\n\n{table(folder)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

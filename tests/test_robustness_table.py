@@ -1,0 +1,91 @@
+"""scripts/robustness_table.py: the README's robustness tables come from the measurements kept in
+benchmarks/robustness/ (the ``--json`` output of ``capsctl robustness``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "robustness_table", ROOT / "scripts/robustness_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _doc(clean: float, **parts: Any) -> str:
+    result = {"dataset": "cifar10[test-lossless-1k]", "count": 1000, "clean_accuracy": clean}
+    result |= {"attacks": [], "shifts": [], "mean_corruption_accuracy": None} | parts
+    return json.dumps({"results": [result], "pictures": []})
+
+
+def _attack(name: str, eps: float, accuracy: float, success: float) -> dict[str, Any]:
+    return {"attack": name, "eps": eps / 255, "targeted": False, "accuracy": accuracy,
+            "success_rate": success}  # fmt: skip
+
+
+def _measured(root: Path) -> Path:
+    """Two checkpoints of a suite named like the shipped one: cnn seed 0 fully measured,
+    dynamic seed 2 with its attacks only."""
+    suite = root / "cifar10-fast-cpu"
+    cnn, dyn = suite / "cnn/seed-0", suite / "dynamic/seed-2"
+    for folder, commit in ((cnn, "a" * 40), (dyn, "b" * 40)):
+        folder.mkdir(parents=True)
+        prov = {"commit": commit, "cpu": "Test CPU", "cores": 2, "torch": "9.9"}
+        (folder / "provenance.json").write_text(json.dumps(prov))
+    attacks = [_attack("pgd", 8, 0.01, 0.99), _attack("fgsm", 8, 0.2, 0.78)]
+    attacks += [_attack("fgsm", 2, 0.5, 0.45), _attack("pgd", 2, 0.3, 0.66)]
+    (cnn / "attacks.json").write_text(_doc(0.9, attacks=attacks))
+    (cnn / "corruptions.json").write_text(_doc(0.9, mean_corruption_accuracy=0.6543))
+    turns = [{"shift": "rotate", "magnitude": m, "accuracy": a} for m, a in ((0, 0.9), (30, 0.5))]
+    (cnn / "rotate.json").write_text(_doc(0.9, shifts=turns))
+    (dyn / "attacks.json").write_text(_doc(0.88, attacks=[_attack("fgsm", 8, 0.25, 0.72)]))
+    return suite
+
+
+def test_table_of_measured_checkpoints(tmp_path: Path) -> None:
+    lines = _script().table(_measured(tmp_path)).splitlines()
+    assert lines[0].startswith("| checkpoint | clean | FGSM 2 / 8 (/255) | PGD-10 2 / 8 (/255) |")
+    # the suite's member order (dynamic before cnn), radii ascending ('-' where not
+    # measured), success at the largest
+    assert lines[2] == "| dynamic, seed 2 | 88.0 | - / 25.0 | - | 72.0 / - | - |"
+    assert lines[3] == "| cnn, seed 0 | 90.0 | 50.0 / 20.0 | 30.0 / 1.0 | 78.0 / 99.0 | 65.4 |"
+    assert "| checkpoint | rotated by 0/30 degrees | translated by  |" in lines
+    assert "| cnn, seed 0 | 90.0 / 50.0 | - |" in lines
+    assert lines[-1].startswith("Accuracy in % on cifar10[test-lossless-1k], first 1,000 images.")
+    assert "capsctl commits bbbbbbbbb (dynamic 2), aaaaaaaaa (cnn 0)" in lines[-1]
+
+
+def test_render_replaces_only_the_robustness_blocks(tmp_path: Path) -> None:
+    script = _script()
+    root = _measured(tmp_path).parent
+    name = "cifar10-fast-cpu"
+    text = f"before\n<!-- robustness:{name} -->\nstale\n<!-- /robustness:{name} -->\nafter\n"
+    new = script.render(text, root)
+    assert new.startswith(f"before\n<!-- robustness:{name} -->\n| checkpoint | clean |")
+    assert new.endswith(f"<!-- /robustness:{name} -->\nafter\n") and "stale" not in new
+    assert script.render(new, root) == new
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_check_says_whether_the_readme_is_the_measurements(
+    stale: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = ROOT / "README.md"
+    if not stale:
+        assert _script().main(["--check", str(readme)]) == 0
+        return
+    script = _script()
+    script.MEASURED = Path("/nonexistent")  # nothing measured: every block would change
+    assert script.main(["--check", str(readme)]) == 1
+    assert "run python scripts/robustness_table.py --write" in capsys.readouterr().err
