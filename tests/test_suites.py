@@ -19,7 +19,13 @@ from conftest import fake_finished_run, run_cli
 
 from capsctl.errors import CapsctlError, ConfigError
 from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
-from capsctl.suites.report import RESULT_COLUMNS, aggregate, read_results, write_results
+from capsctl.suites.report import (
+    RESULT_COLUMNS,
+    aggregate,
+    epochs_trained,
+    read_results,
+    write_results,
+)
 
 # A tiny capsule net on the embedded Fashion-MNIST subset: a few seconds per run.
 TINY_SET = [
@@ -120,6 +126,27 @@ def test_aggregation_against_typed_numbers() -> None:
     assert b.std == pytest.approx(0.028284271247)
     single = aggregate([runs[1]], ["a"])["a"]
     assert single.mean == pytest.approx(0.92) and single.std is None and single.se is None
+
+
+def test_epochs_count_the_part_of_an_epoch_a_time_limit_cut_short() -> None:
+    """A matched member stopped by its time limit 27 steps of 256 images into its second epoch
+    of 195 steps trained 1 + 6,912 / 49,920 epochs, not 2; older records without ``images``
+    give it as rate x time."""
+    whole = {"epoch": 1, "images": 49_920, "images_per_s": 31.6, "epoch_seconds": 1579.7}
+    cut = {"epoch": 2, "images": 6_912, "images_per_s": 36.7, "epoch_seconds": 188.3}
+    res = {"epochs_done": 2, "history": [whole, cut | {"time_limit": True}]}
+    assert epochs_trained(res) == pytest.approx(1.138462, abs=1e-6)
+    old = {"epochs_done": 2, "history": [
+        {"epoch": 1, "images_per_s": 32.0, "epoch_seconds": 1560.0},
+        {"epoch": 2, "images_per_s": 36.0, "epoch_seconds": 192.0, "time_limit": True},
+    ]}  # fmt: skip
+    assert epochs_trained(old) == pytest.approx(1 + 6912 / 49920, abs=1e-6)
+    # a whole last epoch (the limit ran out in validation) and an uncut run count whole
+    full = {"epochs_done": 2, "history": [whole, whole | {"epoch": 2, "time_limit": True}]}
+    assert epochs_trained(full) == 2.0
+    assert epochs_trained({"epochs_done": 8, "history": [whole] * 8}) == 8.0
+    # one cut epoch and nothing to measure it by: its count as recorded
+    assert epochs_trained({"epochs_done": 1, "history": [cut | {"time_limit": True}]}) == 1.0
 
 
 def test_report_and_results_file_round_trip(tmp_path: Path) -> None:

@@ -103,6 +103,7 @@ def test_metrics_line_says_where_the_epoch_went(
     assert rec["data_seconds"] >= 6 * 0.4
     assert rec["forward_seconds"] < 6 * 0.4
     assert rec["val_seconds"] > 0
+    assert rec["images"] == 6 * 16  # the epoch's steps x batch
 
 
 def test_resume_after_epoch_one_matches_uninterrupted_run(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "SuiteReport",
     "TestStat",
     "aggregate",
+    "epochs_trained",
     "read_results",
     "report_suite",
     "results_csv",
@@ -178,6 +179,31 @@ def aggregate(runs: Sequence[dict[str, Any]], tests: Sequence[str]) -> dict[str,
     return out
 
 
+def _epoch_images(record: dict[str, Any]) -> float | None:
+    """The images one epoch's record says it trained on (older records: rate x time)."""
+    if isinstance(record.get("images"), (int, float)):
+        return float(record["images"])
+    rate, seconds = record.get("images_per_s"), record.get("epoch_seconds")
+    if isinstance(rate, (int, float)) and isinstance(seconds, (int, float)):
+        return float(rate) * float(seconds)
+    return None
+
+
+def epochs_trained(results: dict[str, Any]) -> float:
+    """The epochs a run trained (its ``results.json``): its whole epochs, plus the part of the
+    last one when a time limit cut it short (its images against a whole epoch's)."""
+    done = float(results.get("epochs_done", 0))
+    history = [h for h in results.get("history", []) if isinstance(h, dict)]
+    if not history or not history[-1].get("time_limit"):
+        return done
+    whole = [_epoch_images(h) for h in history[:-1]]
+    full = max((w for w in whole if w), default=None)
+    last = _epoch_images(history[-1])
+    if full is None or last is None:
+        return done  # nothing to measure a whole epoch by
+    return done - 1 + min(1.0, round(last / full, 6))
+
+
 def _static(suite: Suite, member: Member, folder: Path) -> tuple[str, int | None, float | None]:
     """The member's model name, parameters and GFLOPs per image (from its preset)."""
     from capsctl.compare.flops import count_flops
@@ -240,7 +266,7 @@ def report_suite(
                 runs.append({"tests": {"test": res["test"]}})
             done.append(seed)
             walls.append(float(res.get("seconds", 0.0)))
-            epochs.append(float(res.get("epochs_done", 0)))
+            epochs.append(epochs_trained(res))
             hist = [h.get("images_per_s") for h in res.get("history", [])]
             hist = [float(h) for h in hist if isinstance(h, (int, float))]
             if hist:

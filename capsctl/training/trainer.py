@@ -186,6 +186,7 @@ class Trainer(RunSetUp, RunEnd):
             "train_accuracy": float(correct) / max(seen, 1),
             "lr": self.optimizer.param_groups[0]["lr"],
             "epoch_seconds": train_time,
+            "images": int(seen),
             "images_per_s": seen / max(train_time, 1e-9),
             **clock.record(),
             **({"time_limit": True} if out_of_time else {}),
