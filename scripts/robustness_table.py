@@ -8,7 +8,8 @@ Each measured checkpoint is a folder ``benchmarks/robustness/SUITE/MEMBER/seed-N
 - ``corruptions.json``: ``--attack none --corruptions --limit 1000``;
 - ``rotate.json``, ``translate.json``: ``--attack none --shift rotate|translate --limit 1000``;
 
-and ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``: where it was measured).
+and ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``: where it was measured;
+``commits``, by kind, where the measurements ran at different commits).
 ``python scripts/robustness_table.py`` prints every suite's tables; ``--write README.md``
 replaces the text between ``<!-- robustness:SUITE -->`` and ``<!-- /robustness:SUITE -->``;
 ``--check README.md`` exits 1 when those blocks differ from the measurements (the tests run
@@ -149,7 +150,8 @@ def table(suite_folder: Path) -> str:
     for member, seed, folder in found:
         p = json.loads((folder / "provenance.json").read_text(encoding="utf-8"))
         machines.add(f"{p['cpu']} ({p['cores']} cores), torch {p['torch']}")
-        commits[p["commit"][:9]].append(f"{member} {seed}")
+        for commit in sorted({c[:9] for c in p.get("commits", {}).values()} or {p["commit"][:9]}):
+            commits[commit].append(f"{member} {seed}")
     datasets = sorted(
         {
             f"{v['dataset']}, first {v['count']:,} images"

@@ -43,6 +43,9 @@ def _measured(root: Path) -> Path:
         folder.mkdir(parents=True)
         prov = {"commit": commit, "cpu": "Test CPU", "cores": 2, "torch": "9.9"}
         (folder / "provenance.json").write_text(json.dumps(prov))
+    by_kind = {"attacks": "a" * 40, "corruptions": "c" * 40, "rotate": "a" * 40}
+    prov |= {"commit": "a" * 40, "commits": by_kind}  # measured at two commits
+    (cnn / "provenance.json").write_text(json.dumps(prov))
     attacks = [_attack("pgd", 8, 0.01, 0.99), _attack("fgsm", 8, 0.2, 0.78)]
     attacks += [_attack("fgsm", 2, 0.5, 0.45), _attack("pgd", 2, 0.3, 0.66)]
     (cnn / "attacks.json").write_text(_doc(0.9, attacks=attacks))
@@ -63,7 +66,7 @@ def test_table_of_measured_checkpoints(tmp_path: Path) -> None:
     assert "| checkpoint | rotated by 0/30 degrees | translated by  |" in lines
     assert "| cnn, seed 0 | 90.0 / 50.0 | - |" in lines
     assert lines[-1].startswith("Accuracy in % on cifar10[test-lossless-1k], first 1,000 images.")
-    assert "capsctl commits bbbbbbbbb (dynamic 2), aaaaaaaaa (cnn 0)" in lines[-1]
+    assert "commits bbbbbbbbb (dynamic 2), aaaaaaaaa (cnn 0), ccccccccc (cnn 0);" in lines[-1]
 
 
 def test_render_replaces_only_the_robustness_blocks(tmp_path: Path) -> None:
