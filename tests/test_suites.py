@@ -22,10 +22,10 @@ from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
 from capsctl.suites.report import (
     RESULT_COLUMNS,
     aggregate,
-    epochs_trained,
     read_results,
     write_results,
 )
+from capsctl.suites.runner import epochs_trained
 
 # A tiny capsule net on the embedded Fashion-MNIST subset: a few seconds per run.
 TINY_SET = [

@@ -22,7 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.suites.runner import TESTS_FILE, Pair, read_json, resolved_pair_preset
+from capsctl.suites.runner import (
+    TESTS_FILE,
+    Pair,
+    epochs_trained,
+    read_json,
+    resolved_pair_preset,
+)
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
@@ -31,7 +37,6 @@ __all__ = [
     "SuiteReport",
     "TestStat",
     "aggregate",
-    "epochs_trained",
     "read_results",
     "report_suite",
     "results_csv",
@@ -177,31 +182,6 @@ def aggregate(runs: Sequence[dict[str, Any]], tests: Sequence[str]) -> dict[str,
             images = int(t["count"]) if t.get("count") is not None else images
         out[test] = TestStat(test, values, images)
     return out
-
-
-def _epoch_images(record: dict[str, Any]) -> float | None:
-    """The images one epoch's record says it trained on (older records: rate x time)."""
-    if isinstance(record.get("images"), (int, float)):
-        return float(record["images"])
-    rate, seconds = record.get("images_per_s"), record.get("epoch_seconds")
-    if isinstance(rate, (int, float)) and isinstance(seconds, (int, float)):
-        return float(rate) * float(seconds)
-    return None
-
-
-def epochs_trained(results: dict[str, Any]) -> float:
-    """The epochs a run trained (its ``results.json``): its whole epochs, plus the part of the
-    last one when a time limit cut it short (its images against a whole epoch's)."""
-    done = float(results.get("epochs_done", 0))
-    history = [h for h in results.get("history", []) if isinstance(h, dict)]
-    if not history or not history[-1].get("time_limit"):
-        return done
-    whole = [_epoch_images(h) for h in history[:-1]]
-    full = max((w for w in whole if w), default=None)
-    last = _epoch_images(history[-1])
-    if full is None or last is None:
-        return done  # nothing to measure a whole epoch by
-    return done - 1 + min(1.0, round(last / full, 6))
 
 
 def _static(suite: Suite, member: Member, folder: Path) -> tuple[str, int | None, float | None]:

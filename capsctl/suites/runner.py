@@ -38,6 +38,7 @@ from capsctl.suites.spec import Member, Suite
 __all__ = [
     "TESTS_FILE",
     "Pair",
+    "epochs_trained",
     "is_finished",
     "matched_budget",
     "missing_tests",
@@ -176,6 +177,31 @@ def is_finished(results: dict[str, Any]) -> bool:
     """Whether a ``results.json`` content is a finished run's: it has the final test, or it is
     a record restored from a results file (``restored_from``; its final test was not kept)."""
     return bool(results.get("test")) or bool(results.get("restored_from"))
+
+
+def _epoch_images(record: dict[str, Any]) -> float | None:
+    """The images one epoch's record says it trained on (older records: rate x time)."""
+    if isinstance(record.get("images"), (int, float)):
+        return float(record["images"])
+    rate, seconds = record.get("images_per_s"), record.get("epoch_seconds")
+    if isinstance(rate, (int, float)) and isinstance(seconds, (int, float)):
+        return float(rate) * float(seconds)
+    return None
+
+
+def epochs_trained(results: dict[str, Any]) -> float:
+    """The epochs a run trained (its ``results.json``): its whole epochs, plus the part of the
+    last one when a time limit cut it short (its images against a whole epoch's)."""
+    done = float(results.get("epochs_done", 0))
+    history = [h for h in results.get("history", []) if isinstance(h, dict)]
+    if not history or not history[-1].get("time_limit"):
+        return done
+    whole = [_epoch_images(h) for h in history[:-1]]
+    full = max((w for w in whole if w), default=None)
+    last = _epoch_images(history[-1])
+    if full is None or last is None:
+        return done  # nothing to measure a whole epoch by
+    return done - 1 + min(1.0, round(last / full, 6))
 
 
 def missing_tests(suite: Suite, folder: Path) -> list[str]:
