@@ -15,7 +15,7 @@ from torch import nn
 from capsctl.cli import main
 from capsctl.robustness import robustness_checkpoint, robustness_summary
 from capsctl.robustness.api import _load
-from capsctl.robustness.attacks import fgsm, loss_gradient, pgd
+from capsctl.robustness.attacks import cw_margin, fgsm, loss_gradient, pgd
 
 EPS = 8 / 255
 
@@ -118,6 +118,49 @@ def test_the_attack_uses_the_models_own_loss(
     torch.testing.assert_close(
         fgsm(setup.model, x, y, EPS, setup.loss_fn), (x + EPS * expected.sign()).clamp(0, 1)
     )
+
+
+def test_cw_margin_against_typed_numbers() -> None:
+    """Carlini and Wagner's margin: best other output minus the label's, summed over images."""
+    z = torch.tensor([[0.2, 0.9, 0.1], [0.5, 0.3, 0.4], [0.1, 0.1, 0.7]])
+    y = torch.tensor([1, 0, 0])
+    # (0.2 - 0.9) + (0.4 - 0.5) + (0.7 - 0.1)
+    assert float(cw_margin(z, y)) == pytest.approx(-0.2)
+
+
+def test_a_flat_own_loss_stalls_the_attack_and_cw_does_not() -> None:
+    """Outputs that meet the margin loss's margins (label length above 0.9, the others below
+    0.1) give it a zero gradient: FGSM with it leaves the images as they are (the gradient
+    masking that makes a margin-loss model look robust). The CW margin still moves them,
+    across the boundary."""
+    from capsctl.losses import margin_loss
+
+    class Lengths(nn.Module):  # lengths 0.95 for class 0 and 0.05 for class 1 at x = 0.5
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = x.flatten(1).mean(1, keepdim=True) - 0.5  # [b, 1]
+            return torch.cat([0.95 - 3 * s, 0.05 + 3 * s], 1)  # [b, 2]
+
+    x, y = torch.full((2, 1, 4, 4), 0.5), torch.zeros(2, dtype=torch.long)
+    model, eps = Lengths(), 0.2
+    assert float(loss_gradient(model, x, y, margin_loss).abs().max()) == 0.0
+    assert torch.equal(fgsm(model, x, y, eps, margin_loss), x)
+    adv = fgsm(model, x, y, eps, cw_margin)
+    assert torch.allclose(adv, x + eps)  # every pixel up: class 0's length falls
+    assert bool((model(adv).argmax(1) == 1).all())
+
+
+def test_the_cli_attacks_the_cw_margin_when_asked(
+    tiny_checkpoint: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["robustness", str(tiny_checkpoint()), "--attack", "fgsm", "--eps", "8/255",
+            "--limit", "8", "--device", "cpu", "--json"]  # fmt: skip
+    main([*args, "--loss", "cw"])
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["loss_name"] == "cw_margin" and len(result["attacks"]) == 1
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--loss", "hinge"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and "--loss hinge" in err and "cw" in err
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,13 @@ def robustness_cmd(
     ] = "1/255,2/255,4/255,8/255",
     targeted: Annotated[bool, typer.Option(help="Targeted to (label + 1) mod classes.")] = False,
     steps: Annotated[int, typer.Option(help="PGD steps (step size 2.5 * eps / steps).")] = 10,
+    loss: Annotated[
+        str,
+        typer.Option(
+            help="own (the model's training loss) or cw (Carlini-Wagner margin: checks that a "
+            "flat own loss is not masking the gradient)."
+        ),
+    ] = "own",
     shift: Annotated[
         str | None, typer.Option(help="affine (affNIST-style, 40x40 models), translate, rotate.")
     ] = None,
@@ -87,6 +94,7 @@ def robustness_cmd(
             eps=_numbers("--eps", eps) or [],
             targeted=targeted,
             steps=steps,
+            loss=loss,
             shift=shift,
             magnitudes=_numbers("--magnitudes", magnitudes),
             corruptions=corruptions,

@@ -4,8 +4,9 @@
 alone (a file or a model folder), takes the first ``limit`` test images and scores:
 
 - white-box FGSM/PGD (:mod:`capsctl.robustness.attacks`) at each eps, with the model's own
-  loss; robust accuracy over all images, and the attack success rate over the images the
-  model classifies correctly before the attack (SR-CapsNet's definition, Hahn et al. 2019):
+  loss (or Carlini and Wagner's margin, ``loss="cw"``, a check for gradient masking); robust
+  accuracy over all images, and the attack success rate over the images the model classifies
+  correctly before the attack (SR-CapsNet's definition, Hahn et al. 2019):
   untargeted, the share of them misclassified after it; targeted to ``(y + 1) mod classes``,
   the share of them classified as the target;
 - rotation / translation sweeps or the affNIST-style set (:mod:`capsctl.robustness.shifts`);
@@ -33,7 +34,14 @@ from capsctl.devices import resolve_device
 from capsctl.errors import CapsctlError, DataError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.losses import eval_loss, top2_correct
-from capsctl.robustness.attacks import ATTACKS, PixelModel, pgd_step_size, run_attack
+from capsctl.robustness.attacks import (
+    ATTACK_LOSSES,
+    ATTACKS,
+    PixelModel,
+    cw_margin,
+    pgd_step_size,
+    run_attack,
+)
 from capsctl.robustness.shifts import DEFAULT_MAGNITUDES, SHIFTS
 
 __all__ = [
@@ -123,7 +131,12 @@ class _Setup:
 
 
 def _load(
-    path: str | Path, data_dir: str | None, device: str, limit: int | None, batch: int | None
+    path: str | Path,
+    data_dir: str | None,
+    device: str,
+    limit: int | None,
+    batch: int | None,
+    loss: str = "own",
 ) -> _Setup:
     from capsctl.data.prepare import prepare_data
 
@@ -142,6 +155,12 @@ def _load(
         test = test.subset(torch.arange(min(limit, len(test))))
     multi = test.labels.dim() == 2
     loss_name, loss_fn = eval_loss(preset, multi, len(data.classes))
+    if loss == "cw":
+        if multi:
+            raise UsageError(
+                f"{path}: --loss cw needs one label per image (this data is multi-label)"
+            )
+        loss_name, loss_fn = "cw_margin", cw_margin
     pixel = PixelModel(model, data.mean, data.std, flip=preset.data.augment.test_flip).to(dev)
     pixel.eval()
     size = batch or preset.train.eval_batch_size
@@ -256,10 +275,12 @@ def _corruption_rows(s: _Setup, seed: int, on_event: EventFn) -> list[Corruption
 
 
 def _check_options(attacks: Sequence[str], eps: Sequence[float], steps: int, shift: str | None,
-                   limit: int | None, batch_size: int | None) -> None:  # fmt: skip
+                   limit: int | None, batch_size: int | None, loss: str) -> None:  # fmt: skip
     bad = [a for a in attacks if a not in ATTACKS]
     if bad:
         raise UsageError(f"--attack {','.join(bad)}: choose from {', '.join(ATTACKS)}")
+    if loss not in ATTACK_LOSSES:
+        raise UsageError(f"--loss {loss}: choose from {', '.join(ATTACK_LOSSES)}")
     if any(not 0 <= e <= 1 for e in eps):
         raise UsageError("--eps: every eps must lie in [0, 1] (pixels are in [0, 1])")
     if steps < 1:
@@ -287,12 +308,14 @@ def robustness_checkpoint(
     device: str = "auto",
     data_dir: str | None = None,
     seed: int = 0,
+    loss: str = "own",
     on_event: EventFn = None,
 ) -> RobustnessResult:
-    """Score one checkpoint (see the module docstring); ``attacks=()`` skips the attacks."""
-    _check_options(attacks, eps, steps, shift, limit, batch_size)
+    """Score one checkpoint (see the module docstring); ``attacks=()`` skips the attacks;
+    ``loss="cw"`` attacks Carlini and Wagner's margin instead of the model's own loss."""
+    _check_options(attacks, eps, steps, shift, limit, batch_size, loss)
     t0 = time.perf_counter()
-    s = _load(path, data_dir, device, limit, batch_size)
+    s = _load(path, data_dir, device, limit, batch_size, loss)
     if targeted and s.test.labels.dim() == 2:
         raise UsageError(f"{path}: --targeted needs one label per image (this data is multi-label)")
     m = s.preset.model

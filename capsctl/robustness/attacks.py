@@ -15,6 +15,10 @@ below is checked against foolbox's L-inf fast gradient attack with cross-entropy
   gradient steps of size ``alpha = 2.5 * eps / steps`` (Madry et al.'s choice), each projected
   back onto the eps ball around ``x`` and onto [0, 1].
 - Targeted attacks descend the loss of the target class instead of ascending that of the label.
+- ``loss="cw"`` attacks Carlini and Wagner's margin instead of the model's own loss
+  (:func:`cw_margin`). The margin and spread losses are flat where their margins are met, so
+  their gradient is zero there and an attack that follows it stalls: a gradient-masking check
+  (Athalye et al., ICML 2018; Croce and Hein, ICML 2020).
 
 The model attacked is :class:`PixelModel`: the network with its input normalization in front,
 so that the attack moves raw pixels, and with the test-time flip averaging of the checkpoint
@@ -32,8 +36,10 @@ from torch import Tensor, nn
 
 __all__ = [
     "ATTACKS",
+    "ATTACK_LOSSES",
     "LossFn",
     "PixelModel",
+    "cw_margin",
     "fgsm",
     "loss_gradient",
     "pgd",
@@ -44,6 +50,22 @@ __all__ = [
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 ATTACKS = ("fgsm", "pgd")
+
+#: What an attack ascends: the model's own training loss, or Carlini and Wagner's margin.
+ATTACK_LOSSES = ("own", "cw")
+
+
+def cw_margin(outputs: Tensor, y: Tensor) -> Tensor:
+    """Carlini and Wagner's margin (IEEE S&P 2017, their f6 without its confidence term) summed
+    over the batch: ``max_{j != y} z_j - z_y`` for outputs ``z [b, classes]`` (logits, capsule
+    lengths or activations alike). It grows as the label's output falls behind the best other
+    class, and its gradient is never zero where the outputs' is not."""
+    true = outputs.gather(1, y[:, None])[:, 0]  # [b]
+    others = outputs.masked_fill(
+        torch.nn.functional.one_hot(y, outputs.shape[1]).bool(), float("-inf")
+    )  # [b, classes]: the label's output left out
+    return (others.amax(1) - true).sum()
+
 
 #: PGD's step size relative to eps / steps (Madry et al., ICLR 2018).
 PGD_STEP_FACTOR = 2.5
