@@ -7,6 +7,7 @@ Each measured checkpoint is a folder ``benchmarks/robustness/SUITE/MEMBER/seed-N
 - ``attacks.json``: ``--attack fgsm,pgd --eps 1/255,2/255,4/255,8/255 --limit 1000``;
 - ``corruptions.json``: ``--attack none --corruptions --limit 1000``;
 - ``rotate.json``, ``translate.json``: ``--attack none --shift rotate|translate --limit 1000``;
+- ``attacks-cw.json``: as ``attacks.json`` with ``--loss cw`` (the gradient-masking check);
 
 and ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``: where it was measured;
 ``commits``, by kind, where the measurements ran at different commits).
@@ -31,7 +32,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED = ROOT / "benchmarks" / "robustness"
-KINDS = ("attacks", "corruptions", "rotate", "translate")
+KINDS = ("attacks", "corruptions", "rotate", "translate", "attacks-cw")
 _BLOCK = re.compile(
     r"(<!-- robustness:(?P<name>[\w.-]+) -->\n)(.*?)(<!-- /robustness:(?P=name) -->)", re.S
 )
@@ -108,6 +109,28 @@ def _radii(rows: list[dict[str, Any] | None]) -> list[float]:
     return sorted({round(a["eps"] * 255, 3) for r in rows if r for a in r["attacks"]})
 
 
+def _cw_table(res: dict[tuple[str, int], dict[str, Any]], radii: list[float]) -> list[str]:
+    """The attacks again with the CW margin, for the checkpoints measured so."""
+    checked = [(key, r) for key, r in res.items() if r["attacks-cw"] is not None]
+    if not checked:
+        return []
+    eps = " / ".join(f"{e:g}" for e in radii) + " (/255)"
+    lines = [
+        "",
+        f"| checkpoint | own loss | FGSM, CW margin {eps} | PGD-10, CW margin {eps} | "
+        "FGSM / PGD-10 success at the largest |",
+        "|---|---|---|---|---|",
+    ]
+    for (member, seed), r in checked:
+        own = "-" if r["attacks"] is None else r["attacks"]["loss_name"]
+        fgsm, fgsm_success = _attack_cells(r["attacks-cw"], "fgsm", radii)
+        pgd, pgd_success = _attack_cells(r["attacks-cw"], "pgd", radii)
+        lines.append(
+            f"| {member}, seed {seed} | {own} | {fgsm} | {pgd} | {fgsm_success} / {pgd_success} |"
+        )
+    return lines
+
+
 def table(suite_folder: Path) -> str:
     """Two markdown tables of one suite's measured checkpoints (attacks and corruptions; shift
     sweeps) and a line naming where and at which commits they were measured."""
@@ -115,7 +138,7 @@ def table(suite_folder: Path) -> str:
     if not found:
         return "(no robustness measured yet)\n"
     res = {(m, s): {k: _result(f, k) for k in KINDS} for m, s, f in found}
-    attacks = [r["attacks"] for r in res.values()]
+    attacks = [r[k] for r in res.values() for k in ("attacks", "attacks-cw")]
     radii = _radii(attacks)
     eps = " / ".join(f"{e:g}" for e in radii) + " (/255)"
     lines = [
@@ -145,6 +168,7 @@ def table(suite_folder: Path) -> str:
         lines.append(
             f"| {member}, seed {seed} | {_sweep(r['rotate'])} | {_sweep(r['translate'])} |"
         )
+    lines += _cw_table(res, radii)
     machines: set[str] = set()
     commits: dict[str, list[str]] = defaultdict(list)
     for member, seed, folder in found:

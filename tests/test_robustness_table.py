@@ -25,6 +25,7 @@ def _script():  # type: ignore[no-untyped-def]
 
 def _doc(clean: float, **parts: Any) -> str:
     result = {"dataset": "cifar10[test-lossless-1k]", "count": 1000, "clean_accuracy": clean}
+    result["loss_name"] = "margin"
     result |= {"attacks": [], "shifts": [], "mean_corruption_accuracy": None} | parts
     return json.dumps({"results": [result], "pictures": []})
 
@@ -53,18 +54,30 @@ def _measured(root: Path) -> Path:
     turns = [{"shift": "rotate", "magnitude": m, "accuracy": a} for m, a in ((0, 0.9), (30, 0.5))]
     (cnn / "rotate.json").write_text(_doc(0.9, shifts=turns))
     (dyn / "attacks.json").write_text(_doc(0.88, attacks=[_attack("fgsm", 8, 0.25, 0.72)]))
+    cw = [_attack("pgd", 8, 0.0, 1.0), _attack("pgd", 4, 0.05, 0.94)]
+    (dyn / "attacks-cw.json").write_text(_doc(0.88, attacks=cw, loss_name="cw_margin"))
     return suite
 
 
 def test_table_of_measured_checkpoints(tmp_path: Path) -> None:
     lines = _script().table(_measured(tmp_path)).splitlines()
-    assert lines[0].startswith("| checkpoint | clean | FGSM 2 / 8 (/255) | PGD-10 2 / 8 (/255) |")
+    assert lines[0].startswith(
+        "| checkpoint | clean | FGSM 2 / 4 / 8 (/255) | PGD-10 2 / 4 / 8 (/255) |"
+    )
     # the suite's member order (dynamic before cnn), radii ascending ('-' where not
     # measured), success at the largest
-    assert lines[2] == "| dynamic, seed 2 | 88.0 | - / 25.0 | - | 72.0 / - | - |"
-    assert lines[3] == "| cnn, seed 0 | 90.0 | 50.0 / 20.0 | 30.0 / 1.0 | 78.0 / 99.0 | 65.4 |"
+    assert lines[2] == "| dynamic, seed 2 | 88.0 | - / - / 25.0 | - | 72.0 / - | - |"
+    assert (
+        lines[3] == "| cnn, seed 0 | 90.0 | 50.0 / - / 20.0 | 30.0 / - / 1.0 | 78.0 / 99.0 | 65.4 |"
+    )
     assert "| checkpoint | rotated by 0/30 degrees | translated by  |" in lines
     assert "| cnn, seed 0 | 90.0 / 50.0 | - |" in lines
+    # the CW check: only the checkpoint measured with it, at the radii of every table (4 too)
+    cw = [line for line in lines if "CW margin" in line]
+    assert cw == ["| checkpoint | own loss | FGSM, CW margin 2 / 4 / 8 (/255) | PGD-10, CW margin "
+                  "2 / 4 / 8 (/255) | FGSM / PGD-10 success at the largest |"]  # fmt: skip
+    assert "| dynamic, seed 2 | margin | - | - / 5.0 / 0.0 | - / 100.0 |" in lines
+    assert not any(line.startswith("| cnn, seed 0 | margin") for line in lines)
     assert lines[-1].startswith("Accuracy in % on cifar10[test-lossless-1k], first 1,000 images.")
     assert "commits bbbbbbbbb (dynamic 2), aaaaaaaaa (cnn 0), ccccccccc (cnn 0);" in lines[-1]
 
