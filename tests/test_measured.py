@@ -66,3 +66,41 @@ def test_compare_an_unknown_suite_names_the_known_ones(capsys: pytest.CaptureFix
     code, _, err = run_cli(capsys, ["compare", "--suite", "nope"])
     assert code == 2
     assert "cifar10-fast" in err and "paper" in err
+
+
+@pytest.mark.parametrize("source", ["run folder", "results file"])
+def test_a_member_stopped_at_the_matched_time_is_marked_with_its_epochs(
+    source: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``matched`` member's accuracy is not one at the same epochs: its cell is marked and a
+    note says how many epochs it trained (1 + 40/200 here: cut 40 images into epoch 2)."""
+    from capsctl.suites import load_suite, report_suite, write_results
+
+    runs = _suite_folder(tmp_path)
+    suite = SUITE + "  - name: big\n    set: [model=mnist-cnn]\n    budget: matched\n"
+    (runs / "suite.yaml").write_text(suite)
+    folder = fake_finished_run(runs / "big/seed-0", 20.0, {"t1": (0.55, 200)}, checkpoints=False)
+    res = json.loads((folder / "results.json").read_text())
+    res["history"] = [{"epoch": 1, "images": 200}, {"epoch": 2, "images": 40, "time_limit": True}]
+    (folder / "results.json").write_text(json.dumps(res))
+    spec = ["compare", str(runs)]
+    if source == "results file":
+        results = tmp_path / "results"
+        results.mkdir()
+        report = report_suite(load_suite(runs / "suite.yaml"), runs, score=False)
+        write_results(report, results / "s-cpu.csv")
+        monkeypatch.setattr(measured, "RESULTS_DIR", results)
+        spec = ["compare", "--suite", str(runs / "suite.yaml")]
+    code, out, err = run_cli(capsys, [*spec, "--json"])
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)["models"]}
+    assert rows["big"]["measured"]["budget"] == "matched"
+    assert rows["big"]["measured"]["epochs"] == pytest.approx(1.2)
+    assert rows["caps"]["measured"]["budget"] == "epochs"
+    code, out, err = run_cli(capsys, spec)
+    assert code == 0, err
+    assert "55.00 (1)†" in out and "80.00 ± 7.07 (2) " in out.replace("│", " ")
+    assert "† big: trained under the other members' median wall time (1.2 epochs)" in err

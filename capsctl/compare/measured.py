@@ -32,6 +32,8 @@ def _measured(row: dict[str, Any], source: str) -> dict[str, Any]:
         "seeds": row["seeds_run"],
         "test_set": row["test_set"],
         "test_images": row["test_images"],
+        "budget": row.get("budget"),
+        "epochs": row.get("epochs"),
         "source": source,
     }
 
@@ -75,6 +77,8 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
                     "seeds_run": int(row["seeds_run"]),
                     "test_set": test,
                     "test_images": int(row["test_images"]) if row["test_images"] else None,
+                    "budget": row["budget"] or None,
+                    "epochs": float(row["epochs"]) if row["epochs"] else None,
                 }
                 measured[row["member"]] = _measured(parsed, str(folder))
     elif suite.results and (RESULTS_DIR / suite.results).is_file():

@@ -117,7 +117,8 @@ def _compare_row(r: Any, speed: bool, measured: bool = False) -> list[Any]:
         else:
             std = m.get("top1_std")
             spread = f" ± {100 * std:.2f}" if std is not None else ""
-            row.append(f"{100 * m['top1_mean']:.2f}{spread} ({m['seeds']})")
+            mark = "†" if m.get("budget") == "matched" else ""
+            row.append(f"{100 * m['top1_mean']:.2f}{spread} ({m['seeds']}){mark}")
     return row + [fmt_pct(r.reference_accuracy)]
 
 
@@ -139,6 +140,14 @@ def print_compare(report: Any, speed: bool) -> None:
     for src, test, n in sorted(sources, key=str):
         images = f", {n:,} images" if n else ""
         note(f"measured: {src} (top-1 on {test}{images}; mean ± std over seeds)")
+    for r in report.rows:
+        if r.measured and r.measured.get("budget") == "matched":
+            epochs = r.measured.get("epochs")
+            trained = "" if epochs is None else f" ({epochs:.1f} epochs)"
+            note(
+                f"† {r.name}: trained under the other members' median wall time{trained}, "
+                "not for the same epochs"
+            )
     for src in sorted({r.accuracy_source for r in report.rows if r.accuracy_source}):
         note(f"accuracy source: {src}")
 
