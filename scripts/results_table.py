@@ -61,8 +61,9 @@ def table(path: Path) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for member, by_test in members.items():
         first = by_test[tests[0]] if tests[0] in by_test else next(iter(by_test.values()))
+        matched = first.get("budget") == "matched"
         cells = [
-            member,
+            f"{member} †" if matched else member,
             first["model"],
             *[_cell(by_test[t]) if t in by_test else "-" for t in tests],
         ]
@@ -75,6 +76,12 @@ def table(path: Path) -> str:
             "-" if first["gflops"] is None else f"{first['gflops']:.3f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r.get("budget") == "matched" for r in rows):
+        lines += [
+            "",
+            "† stopped at the other members' median wall time (its epochs column says how far it "
+            "got), not after the same epochs.",
+        ]
     done = [r for r in rows if r["seeds_run"]]
     machines = sorted({(r["cpu"], r["cores"], r["torch"]) for r in done}, key=str)
     commits: dict[str, list[str]] = defaultdict(list)

@@ -34,6 +34,21 @@ def test_table_of_a_results_file(tmp_path: Path) -> None:
     assert "| 80.00 ± 7.07 (se 5.00) | 2 | 2.0 | 20 | 200 |" in caps
     cnn = next(line for line in lines if line.startswith("| cnn |"))
     assert "| - | 0 |" in cnn
+    assert not any(line.startswith("†") for line in lines)
+
+
+def test_a_matched_member_is_marked(tmp_path: Path) -> None:
+    runs = _suite_folder(tmp_path)
+    suite = (runs / "suite.yaml").read_text().replace(
+        "    set: [model=mnist-cnn]\n", "    set: [model=mnist-cnn]\n    budget: matched\n"
+    )
+    (runs / "suite.yaml").write_text(suite)
+    path = tmp_path / "s-cpu.csv"
+    write_results(report_suite(load_suite(runs / "suite.yaml"), runs, score=False), path)
+    lines = _script().table(path).splitlines()
+    assert any(line.startswith("| cnn † |") for line in lines)
+    assert any(line.startswith("| caps |") for line in lines)
+    assert any(line.startswith("† stopped at the other members") for line in lines)
 
 
 def test_render_replaces_only_the_results_blocks(
