@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capsctl.suites.report import read_results  # noqa: E402
+from capsctl.suites.results_file import read_results  # noqa: E402
 
 RESULTS = ROOT / "capsctl" / "results"
 _BLOCK = re.compile(
@@ -43,14 +43,17 @@ def table(path: Path) -> str:
     rows = read_results(path)
     tests: list[str] = []
     members: dict[str, dict[str, dict]] = defaultdict(dict)
+    metrics: dict[str, str] = {}  # test set -> what its accuracy is
     for r in rows:
+        if r.get("metric"):
+            metrics.setdefault(r["test_set"], r["metric"])
         if r["test_set"] not in tests:
             tests.append(r["test_set"])
         members[r["member"]][r["test_set"]] = r
     head = [
         "member",
         "model",
-        *[f"top-1 % {t} (mean ± std)" for t in tests],
+        *[f"{metrics.get(t) or 'top-1'} % {t} (mean ± std)" for t in tests],
         "seeds",
         "epochs",
         "wall s",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from capsctl.suites import load_suite, report_suite, write_results
+from capsctl.suites import load_suite, read_results, report_suite, write_results
 from tests.test_measured import _suite_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +39,12 @@ def test_table_of_a_results_file(tmp_path: Path) -> None:
 
 def test_a_matched_member_is_marked(tmp_path: Path) -> None:
     runs = _suite_folder(tmp_path)
-    suite = (runs / "suite.yaml").read_text().replace(
-        "    set: [model=mnist-cnn]\n", "    set: [model=mnist-cnn]\n    budget: matched\n"
+    suite = (
+        (runs / "suite.yaml")
+        .read_text()
+        .replace(
+            "    set: [model=mnist-cnn]\n", "    set: [model=mnist-cnn]\n    budget: matched\n"
+        )
     )
     (runs / "suite.yaml").write_text(suite)
     path = tmp_path / "s-cpu.csv"
@@ -69,3 +73,22 @@ def test_render_replaces_only_the_results_blocks(
 
 def test_the_readme_tables_are_the_results_files() -> None:
     assert _script().main(["--check", str(ROOT / "README.md")]) == 0
+
+
+def test_the_header_names_the_metric_of_multi_label_suites(tmp_path: Path) -> None:
+    """DiverseMultiMNIST's accuracy is the paper's top-2 exact match, not top-1: the results
+    file carries the metric the runs were scored with, and the table's header says it."""
+    import json
+
+    runs = _suite_folder(tmp_path)
+    metric = "top-2 exact match (DiverseMultiMNIST)"
+    for seed in (0, 1):
+        scores = runs / f"caps/seed-{seed}/tests.json"
+        doc = json.loads(scores.read_text())
+        doc["tests"]["t1"]["metric"] = metric
+        scores.write_text(json.dumps(doc))
+    path = tmp_path / "s-cpu.csv"
+    write_results(report_suite(load_suite(runs / "suite.yaml"), runs, score=False), path)
+    assert {row["metric"] for row in read_results(path)} == {metric, None}  # cnn: no run
+    header = _script().table(path).splitlines()[0]
+    assert header.startswith(f"| member | model | {metric} % t1 (mean ± std) |")

@@ -19,12 +19,8 @@ from conftest import fake_finished_run, run_cli
 
 from capsctl.errors import CapsctlError, ConfigError
 from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
-from capsctl.suites.report import (
-    RESULT_COLUMNS,
-    aggregate,
-    read_results,
-    write_results,
-)
+from capsctl.suites.report import aggregate
+from capsctl.suites.results_file import RESULT_COLUMNS, read_results, write_results
 from capsctl.suites.runner import epochs_trained
 
 # A tiny capsule net on the embedded Fashion-MNIST subset: a few seconds per run.
@@ -174,7 +170,7 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     write_results(report, path)
     header = path.read_text().splitlines()[0]
     assert header == (
-        "suite,member,model,test_set,test_images,top1_mean,top1_std,top1_se,test_se,seeds,"
+        "suite,member,model,test_set,test_images,metric,top1_mean,top1_std,top1_se,test_se,seeds,"
         "seeds_run,epochs,wall_s,train_images_per_s,params,gflops,budget,cpu,cores,device,torch,"
         "commit,note"
     )

@@ -170,7 +170,7 @@ def report_cmd(
     """Top-1 mean ± std over seeds per member, with parameters, GFLOPs, epochs, wall time and
     training speed; several FOLDERS (run folders and ledgers) are reported as one suite."""
     from capsctl.suites import load_suite, report_suite, write_results
-    from capsctl.suites.report import results_csv
+    from capsctl.suites.results_file import results_csv
     from capsctl.views.common import print_json
     from capsctl.views.progress import simple_progress
     from capsctl.views.suite import print_suite_report

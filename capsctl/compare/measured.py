@@ -41,7 +41,7 @@ def _measured(row: dict[str, Any], source: str) -> dict[str, Any]:
 def measured_from_file(path: Path, test_set: str | None = None) -> dict[str, dict[str, Any]]:
     """``{member: measured}`` of one results file, for ``test_set`` (default: each member's
     first test set in the file)."""
-    from capsctl.suites.report import read_results
+    from capsctl.suites.results_file import read_results
 
     out: dict[str, dict[str, Any]] = {}
     try:
@@ -60,7 +60,7 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
     targets, each with its measured accuracy: from the run folder's finished runs, or from the
     suite's results file in the package (None where neither has the member)."""
     from capsctl.suites import load_suite, report_suite
-    from capsctl.suites.report import result_rows
+    from capsctl.suites.results_file import result_rows
     from capsctl.suites.runner import Pair, resolved_pair_preset
 
     folder = Path(spec).expanduser() if is_suite_folder(spec) else None

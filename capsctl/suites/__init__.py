@@ -1,7 +1,8 @@
 """Suites: sets of (member, seed) training runs described as data, run resumably and reported
 as tables of mean and spread over seeds (``capsctl suite``)."""
 
-from capsctl.suites.report import MemberRow, SuiteReport, read_results, report_suite, write_results
+from capsctl.suites.report import MemberRow, SuiteReport, report_suite
+from capsctl.suites.results_file import read_results, write_results
 from capsctl.suites.runner import pair_commands, plan_pairs, run_suite, score_run
 from capsctl.suites.spec import Member, Suite, list_suites, load_suite
 

@@ -7,14 +7,11 @@ the spread one run's accuracy has from the finite test set alone). Plus paramete
 image, epochs, wall time, training images/s, the published figure where the suite names one,
 and what trained the runs (commit, CPU, cores, torch).
 
-Results files (timm's ``results/`` convention): one CSV row per member and test file,
-:data:`RESULT_COLUMNS`; :func:`write_results` writes them, :func:`read_results` reads them back.
+The results files written from a report are :mod:`capsctl.suites.results_file`'s.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
 from collections.abc import Sequence
@@ -32,43 +29,12 @@ from capsctl.suites.runner import (
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
-    "RESULT_COLUMNS",
     "MemberRow",
     "SuiteReport",
     "TestStat",
     "aggregate",
-    "read_results",
     "report_suite",
-    "results_csv",
-    "write_results",
 ]
-
-#: The columns of a results file, in order.
-RESULT_COLUMNS = (
-    "suite",
-    "member",
-    "model",
-    "test_set",
-    "test_images",
-    "top1_mean",
-    "top1_std",
-    "top1_se",
-    "test_se",
-    "seeds",
-    "seeds_run",
-    "epochs",
-    "wall_s",
-    "train_images_per_s",
-    "params",
-    "gflops",
-    "budget",
-    "cpu",
-    "cores",
-    "device",
-    "torch",
-    "commit",
-    "note",
-)
 
 
 @dataclass
@@ -78,6 +44,7 @@ class TestStat:
     test: str
     values: list[float]
     images: int | None = None
+    metric: str | None = None  # what the accuracy is: top-1, or the multi-label data's metric
 
     @property
     def mean(self) -> float | None:
@@ -105,6 +72,7 @@ class TestStat:
         return {
             "test": self.test,
             "images": self.images,
+            "metric": self.metric,
             "values": self.values,
             "top1_mean": self.mean,
             "top1_std": self.std,
@@ -173,14 +141,15 @@ def aggregate(runs: Sequence[dict[str, Any]], tests: Sequence[str]) -> dict[str,
     "count"}}}``) as :class:`TestStat`; a run lacking a test is left out of that test only."""
     out: dict[str, TestStat] = {}
     for test in tests:
-        values, images = [], None
+        values, images, metric = [], None, None
         for run in runs:
             t = (run.get("tests") or {}).get(test)
             if t is None or t.get("accuracy") is None:
                 continue
             values.append(float(t["accuracy"]))
             images = int(t["count"]) if t.get("count") is not None else images
-        out[test] = TestStat(test, values, images)
+            metric = t.get("metric") or metric
+        out[test] = TestStat(test, values, images, metric)
     return out
 
 
@@ -289,108 +258,3 @@ def _machine(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         values = sorted({str(r.get(key)) for r in records if r.get(key) is not None})
         out[key] = " + ".join(values) if values else None
     return out
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
-
-
-def result_rows(report: SuiteReport) -> list[dict[str, str]]:
-    """The report as results-file rows (:data:`RESULT_COLUMNS`), one per member and test."""
-    rows = []
-    for r in report.rows:
-        for test in report.tests:
-            t = r.tests[test]
-            rows.append(
-                {
-                    "suite": report.suite,
-                    "member": r.member,
-                    "model": r.model,
-                    "test_set": test,
-                    "test_images": _fmt(t.images),
-                    "top1_mean": _fmt(t.mean),
-                    "top1_std": _fmt(t.std),
-                    "top1_se": _fmt(t.se),
-                    "test_se": _fmt(t.test_se),
-                    "seeds": " ".join(str(s) for s in r.seeds_done),
-                    "seeds_run": str(len(t.values)),
-                    "epochs": _fmt(r.epochs),
-                    "wall_s": _fmt(None if r.wall_s is None else round(r.wall_s, 1)),
-                    "train_images_per_s": _fmt(
-                        None if r.train_images_per_s is None else round(r.train_images_per_s, 1)
-                    ),
-                    "params": _fmt(r.params),
-                    "gflops": _fmt(None if r.gflops is None else round(r.gflops, 4)),
-                    "budget": r.budget,
-                    "cpu": _fmt(r.machine.get("cpu")),
-                    "cores": _fmt(r.machine.get("cores")),
-                    "device": _fmt(r.machine.get("device")),
-                    "torch": _fmt(r.machine.get("torch_version")),
-                    "commit": _fmt(r.machine.get("commit")),
-                    "note": r.note,
-                }
-            )
-    return rows
-
-
-def results_csv(report: SuiteReport) -> str:
-    """The report as a results file's text (header and rows)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(RESULT_COLUMNS), lineterminator="\n")
-    w.writeheader()
-    w.writerows(result_rows(report))
-    return buf.getvalue()
-
-
-def write_results(report: SuiteReport, path: Path, *, overwrite: bool = False) -> Path:
-    """Write the report's results file (refusing an existing file unless ``overwrite``)."""
-    from capsctl.atomic import write_text_atomic
-    from capsctl.errors import UsageError
-
-    if path.exists() and not overwrite:
-        raise UsageError(f"--results {path}: exists; pass --overwrite to replace it")
-    write_text_atomic(path, results_csv(report))
-    return path
-
-
-def read_results(path: Path) -> list[dict[str, Any]]:
-    """A results file's rows with numbers as numbers (empty cells as None); ValueError on a
-    header that is not :data:`RESULT_COLUMNS`."""
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
-            raise ValueError(f"{path}: not a capsctl results file (unexpected header)")
-        rows = []
-        for raw in reader:
-            row: dict[str, Any] = {}
-            for k, v in raw.items():
-                row[k] = _parse_cell(k, v)
-            rows.append(row)
-    return rows
-
-
-_INT_COLUMNS = ("test_images", "seeds_run", "params", "cores")
-_FLOAT_COLUMNS = (
-    "top1_mean",
-    "top1_std",
-    "top1_se",
-    "test_se",
-    "epochs",
-    "wall_s",
-    "train_images_per_s",
-    "gflops",
-)
-
-
-def _parse_cell(column: str, value: str | None) -> Any:
-    if value is None or value == "":
-        return None
-    if column in _INT_COLUMNS:
-        return int(value)
-    if column in _FLOAT_COLUMNS:
-        return float(value)
-    return value

@@ -1,0 +1,149 @@
+"""Results files (timm's ``results/`` convention): a suite report as one CSV row per member and
+test file, :data:`RESULT_COLUMNS`; :func:`write_results` writes them, :func:`read_results` reads
+them back with numbers as numbers. ``metric`` names what the accuracy columns hold (``top-1``,
+or DiverseMultiMNIST's top-2 exact match)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from capsctl.suites.report import SuiteReport
+
+__all__ = ["RESULT_COLUMNS", "read_results", "result_rows", "results_csv", "write_results"]
+
+#: The columns of a results file, in order.
+RESULT_COLUMNS = (
+    "suite",
+    "member",
+    "model",
+    "test_set",
+    "test_images",
+    "metric",
+    "top1_mean",
+    "top1_std",
+    "top1_se",
+    "test_se",
+    "seeds",
+    "seeds_run",
+    "epochs",
+    "wall_s",
+    "train_images_per_s",
+    "params",
+    "gflops",
+    "budget",
+    "cpu",
+    "cores",
+    "device",
+    "torch",
+    "commit",
+    "note",
+)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def result_rows(report: SuiteReport) -> list[dict[str, str]]:
+    """The report as results-file rows (:data:`RESULT_COLUMNS`), one per member and test."""
+    rows = []
+    for r in report.rows:
+        for test in report.tests:
+            t = r.tests[test]
+            rows.append(
+                {
+                    "suite": report.suite,
+                    "member": r.member,
+                    "model": r.model,
+                    "test_set": test,
+                    "test_images": _fmt(t.images),
+                    "metric": _fmt(t.metric),
+                    "top1_mean": _fmt(t.mean),
+                    "top1_std": _fmt(t.std),
+                    "top1_se": _fmt(t.se),
+                    "test_se": _fmt(t.test_se),
+                    "seeds": " ".join(str(s) for s in r.seeds_done),
+                    "seeds_run": str(len(t.values)),
+                    "epochs": _fmt(r.epochs),
+                    "wall_s": _fmt(None if r.wall_s is None else round(r.wall_s, 1)),
+                    "train_images_per_s": _fmt(
+                        None if r.train_images_per_s is None else round(r.train_images_per_s, 1)
+                    ),
+                    "params": _fmt(r.params),
+                    "gflops": _fmt(None if r.gflops is None else round(r.gflops, 4)),
+                    "budget": r.budget,
+                    "cpu": _fmt(r.machine.get("cpu")),
+                    "cores": _fmt(r.machine.get("cores")),
+                    "device": _fmt(r.machine.get("device")),
+                    "torch": _fmt(r.machine.get("torch_version")),
+                    "commit": _fmt(r.machine.get("commit")),
+                    "note": r.note,
+                }
+            )
+    return rows
+
+
+def results_csv(report: SuiteReport) -> str:
+    """The report as a results file's text (header and rows)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(RESULT_COLUMNS), lineterminator="\n")
+    w.writeheader()
+    w.writerows(result_rows(report))
+    return buf.getvalue()
+
+
+def write_results(report: SuiteReport, path: Path, *, overwrite: bool = False) -> Path:
+    """Write the report's results file (refusing an existing file unless ``overwrite``)."""
+    from capsctl.atomic import write_text_atomic
+    from capsctl.errors import UsageError
+
+    if path.exists() and not overwrite:
+        raise UsageError(f"--results {path}: exists; pass --overwrite to replace it")
+    write_text_atomic(path, results_csv(report))
+    return path
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """A results file's rows with numbers as numbers (empty cells as None); ValueError on a
+    header that is not :data:`RESULT_COLUMNS`."""
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
+            raise ValueError(f"{path}: not a capsctl results file (unexpected header)")
+        rows = []
+        for raw in reader:
+            row: dict[str, Any] = {}
+            for k, v in raw.items():
+                row[k] = _parse_cell(k, v)
+            rows.append(row)
+    return rows
+
+
+_INT_COLUMNS = ("test_images", "seeds_run", "params", "cores")
+_FLOAT_COLUMNS = (
+    "top1_mean",
+    "top1_std",
+    "top1_se",
+    "test_se",
+    "epochs",
+    "wall_s",
+    "train_images_per_s",
+    "gflops",
+)
+
+
+def _parse_cell(column: str, value: str | None) -> Any:
+    if value is None or value == "":
+        return None
+    if column in _INT_COLUMNS:
+        return int(value)
+    if column in _FLOAT_COLUMNS:
+        return float(value)
+    return value
