@@ -220,7 +220,8 @@ def test_tiny_suite_killed_mid_run_resumes_and_reports(
     expected = _accuracies(whole)
     assert sorted(expected) == ["dynamic/seed-0", "idpa/seed-0", "idpa/seed-1"]
 
-    # kill -9 a suite in its second pair, once that pair has a checkpoint
+    # kill -9 a suite in its second pair, once that pair has a checkpoint (and has named the
+    # commit that started it)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "capsctl", "suite", "run", str(suite), "--out", str(broken)],
@@ -229,8 +230,9 @@ def test_tiny_suite_killed_mid_run_resumes_and_reports(
         stderr=subprocess.DEVNULL,
     )
     second = broken / "dynamic/seed-0/last.safetensors"
+    named = second.with_name("provenance.json")
     deadline = time.monotonic() + 240
-    while not second.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not named.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -257,7 +259,8 @@ def test_tiny_suite_killed_mid_run_resumes_and_reports(
     accs = [expected["idpa/seed-0"], expected["idpa/seed-1"]]
     assert idpa["top1_mean"] == pytest.approx(sum(accs) / 2)
     trained = json.loads((broken / "dynamic/seed-0/provenance.json").read_text())["trained_by"]
-    assert [t["resumed"] for t in trained] == [True]  # the killed process recorded nothing
+    # the killed process named its commit with its first checkpoint; the resumed one added its
+    assert [t["resumed"] for t in trained] == [False, True]
 
 
 @pytest.mark.slow

@@ -339,8 +339,25 @@ def _train_pair(
     if limit is not None:
         overrides.append(f"train.time_limit={limit:.0f}")
     started = provenance()  # the code that trains: the commit as it starts
-    train_from_preset(suite.recipe, out=pair.folder, overrides=overrides, **common)
-    _record_provenance(pair.folder, False, started)
+    recorded = False
+
+    def record(event: dict[str, Any] | None = None) -> None:
+        """Name the starting commit once the run folder holds a checkpoint (the first one, or
+        the one an interruption leaves), so a run resumed later keeps it."""
+        nonlocal recorded
+        if event is not None and on_event is not None:
+            on_event(event)
+        due = event is None or event.get("event") == "checkpoint"
+        if due and not recorded and (pair.folder / "last.safetensors").exists():
+            _record_provenance(pair.folder, False, started)
+            recorded = True
+
+    try:
+        train_from_preset(
+            suite.recipe, out=pair.folder, overrides=overrides, **common | {"on_event": record}
+        )
+    finally:
+        record()
 
 
 def pair_commands(
