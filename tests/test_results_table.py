@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from capsctl.suites import load_suite, read_results, report_suite, write_results
 from tests.test_measured import _suite_folder
@@ -75,7 +76,9 @@ def test_the_readme_tables_are_the_results_files() -> None:
     assert _script().main(["--check", str(ROOT / "README.md")]) == 0
 
 
-def test_the_header_names_the_metric_of_multi_label_suites(tmp_path: Path) -> None:
+def test_the_header_names_the_metric_of_multi_label_suites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """DiverseMultiMNIST's accuracy is the paper's top-2 exact match, not top-1: the results
     file carries the metric the runs were scored with, and the table's header says it."""
     import json
@@ -92,3 +95,10 @@ def test_the_header_names_the_metric_of_multi_label_suites(tmp_path: Path) -> No
     assert {row["metric"] for row in read_results(path)} == {metric, None}  # cnn: no run
     header = _script().table(path).splitlines()[0]
     assert header.startswith(f"| member | model | {metric} % t1 (mean ± std) |")
+    code, out, err = run_cli(capsys, ["suite", "report", str(runs), "--no-score"])
+    assert code == 0, err
+    assert "top-2 exact" in out and "top-1" not in out
+    code, out, err = run_cli(capsys, ["compare", str(runs)])
+    assert code == 0, err
+    (line,) = [x for x in err.splitlines() if "measured:" in x]  # the cnn, unmeasured, adds none
+    assert f"({metric} on t1, 200 images;" in line

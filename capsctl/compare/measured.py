@@ -34,6 +34,7 @@ def _measured(row: dict[str, Any], source: str) -> dict[str, Any]:
         "test_images": row["test_images"],
         "budget": row.get("budget"),
         "epochs": row.get("epochs"),
+        "metric": row.get("metric"),
         "source": source,
     }
 
@@ -78,6 +79,7 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
                     "test_set": test,
                     "test_images": int(row["test_images"]) if row["test_images"] else None,
                     "budget": row["budget"] or None,
+                    "metric": row["metric"] or None,
                     "epochs": float(row["epochs"]) if row["epochs"] else None,
                 }
                 measured[row["member"]] = _measured(parsed, str(folder))

@@ -136,10 +136,13 @@ def print_compare(report: Any, speed: bool) -> None:
     for r in report.rows:
         if r.reference_source:
             note(f"published ({r.name}): {r.reference_source}")
-    sources = {(m["source"], m["test_set"], m.get("test_images")) for m in _measured(report)}
-    for src, test, n in sorted(sources, key=str):
+    sources = {
+        (m["source"], m["test_set"], m.get("test_images"), m.get("metric") or "top-1")
+        for m in _measured(report)
+    }
+    for src, test, n, metric in sorted(sources, key=str):
         images = f", {n:,} images" if n else ""
-        note(f"measured: {src} (top-1 on {test}{images}; mean ± std over seeds)")
+        note(f"measured: {src} ({metric} on {test}{images}; mean ± std over seeds)")
     for r in report.rows:
         if r.measured and r.measured.get("budget") == "matched":
             epochs = r.measured.get("epochs")
@@ -153,4 +156,6 @@ def print_compare(report: Any, speed: bool) -> None:
 
 
 def _measured(report: Any) -> list[dict[str, Any]]:
-    return [r.measured for r in report.rows if r.measured]
+    return [
+        r.measured for r in report.rows if r.measured and r.measured.get("top1_mean") is not None
+    ]

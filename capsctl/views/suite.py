@@ -70,7 +70,14 @@ def _acc_cell(t: dict[str, Any]) -> str:
 def print_suite_report(doc: dict[str, Any]) -> None:
     """The report as a table that fits the terminal (numbers never cut): one row per member."""
     cols = ["member"]
-    cols += [f"top-1 % {test} mean ± std (se)" for test in doc["tests"]]
+    metrics = {  # what each test's accuracy is, from the first row that has it
+        test: next(
+            (r["tests"][test]["metric"] for r in doc["rows"] if r["tests"][test].get("metric")),
+            None,
+        )
+        for test in doc["tests"]
+    }
+    cols += [f"{metrics[test] or 'top-1'} % {test} mean ± std (se)" for test in doc["tests"]]
     cols += ["seeds", "params", "GFLOPs", "epochs", "wall s", "img/s", "published"]
     robust = next((r["robustness"] for r in doc["rows"] if r.get("robustness")), None)
     if robust:
