@@ -67,17 +67,16 @@ def _acc_cell(t: dict[str, Any]) -> str:
     return f"{_pct(t['top1_mean'])} ± {_pct(std)}" if std is not None else _pct(t["top1_mean"])
 
 
+def _metric(doc: dict[str, Any], test: str) -> str:
+    """What the accuracy on ``test`` is (from the first row that says): top-1 by default."""
+    said = (r["tests"][test].get("metric") for r in doc["rows"])
+    return next((m for m in said if m), "top-1")
+
+
 def print_suite_report(doc: dict[str, Any]) -> None:
     """The report as a table that fits the terminal (numbers never cut): one row per member."""
     cols = ["member"]
-    metrics = {  # what each test's accuracy is, from the first row that has it
-        test: next(
-            (r["tests"][test]["metric"] for r in doc["rows"] if r["tests"][test].get("metric")),
-            None,
-        )
-        for test in doc["tests"]
-    }
-    cols += [f"{metrics[test] or 'top-1'} % {test} mean ± std (se)" for test in doc["tests"]]
+    cols += [f"{_metric(doc, test)} % {test} mean ± std (se)" for test in doc["tests"]]
     cols += ["seeds", "params", "GFLOPs", "epochs", "wall s", "img/s", "published"]
     robust = next((r["robustness"] for r in doc["rows"] if r.get("robustness")), None)
     if robust:
