@@ -13,11 +13,13 @@ import argparse
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from capsctl.atomic import write_text_atomic  # noqa: E402
 from capsctl.suites.results_file import read_results  # noqa: E402
 
 RESULTS = ROOT / "capsctl" / "results"
@@ -113,33 +115,58 @@ def render(text: str) -> str:
     return _BLOCK.sub(one, text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def readme_main(
+    argv: list[str] | None,
+    *,
+    doc: str,
+    what: str,
+    source: str,
+    script: str,
+    render: Callable[[str], str],
+    print_all: Callable[[], None],
+) -> int:
+    """The command line of a script (``scripts/<script>``) that generates the README's ``what``
+    blocks from ``source``: ``--write README`` replaces them (atomically, only when they
+    change), ``--check README`` exits 1 with one line on stderr when they differ, and no option
+    prints every table (``print_all``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", type=Path, help="replace the README's results blocks")
+    group.add_argument("--write", type=Path, help=f"replace the README's {what} blocks")
     group.add_argument("--check", type=Path, help="exit 1 when the README's blocks are stale")
     args = ap.parse_args(argv)
-    if args.write or args.check:
-        path = args.write or args.check
-        text = path.read_text(encoding="utf-8")
-        new = render(text)
-        if args.check:
-            if new != text:
-                print(
-                    f"{path}: results tables differ from capsctl/results/; run "
-                    f"python scripts/results_table.py --write {path}",
-                    file=sys.stderr,
-                )
-                return 1
-            return 0
-        if new != text:
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(new, encoding="utf-8")
-            tmp.replace(path)
+    path = args.write or args.check
+    if path is None:
+        print_all()
         return 0
-    for f in sorted(RESULTS.glob("*.csv")):
-        print(f"## {f.stem}\n\n{table(f)}")
+    text = path.read_text(encoding="utf-8")
+    new = render(text)
+    if new == text:
+        return 0
+    if args.check:
+        print(
+            f"{path}: {what} tables differ from {source}; run python scripts/{script} --write "
+            f"{path}",
+            file=sys.stderr,
+        )
+        return 1
+    write_text_atomic(path, new)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    def print_all() -> None:
+        for f in sorted(RESULTS.glob("*.csv")):
+            print(f"## {f.stem}\n\n{table(f)}")
+
+    return readme_main(
+        argv,
+        doc=__doc__ or "",
+        what="results",
+        source="capsctl/results/",
+        script="results_table.py",
+        render=render,
+        print_all=print_all,
+    )
 
 
 if __name__ == "__main__":

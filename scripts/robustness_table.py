@@ -20,7 +20,6 @@ shipped preset), seeds in order.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -31,6 +30,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_table import readme_main  # noqa: E402
+
 MEASURED = ROOT / "benchmarks" / "robustness"
 KINDS = ("attacks", "corruptions", "rotate", "translate", "attacks-cw")
 _BLOCK = re.compile(
@@ -206,32 +209,19 @@ def render(text: str, root: Path | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", type=Path, help="replace the README's robustness blocks")
-    group.add_argument("--check", type=Path, help="exit 1 when the README's blocks are stale")
-    args = ap.parse_args(argv)
-    if args.write or args.check:
-        path = args.write or args.check
-        text = path.read_text(encoding="utf-8")
-        new = render(text)
-        if args.check:
-            if new != text:
-                print(
-                    f"{path}: robustness tables differ from benchmarks/robustness/; run "
-                    f"python scripts/robustness_table.py --write {path}",
-                    file=sys.stderr,
-                )
-                return 1
-            return 0
-        if new != text:
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(new, encoding="utf-8")
-            tmp.replace(path)
-        return 0
-    for folder in sorted(p for p in MEASURED.glob("*") if p.is_dir()):
-        print(f"## {folder.name}\n\n{table(folder)}")
-    return 0
+    def print_all() -> None:
+        for folder in sorted(p for p in MEASURED.glob("*") if p.is_dir()):
+            print(f"## {folder.name}\n\n{table(folder)}")
+
+    return readme_main(
+        argv,
+        doc=__doc__ or "",
+        what="robustness",
+        source="benchmarks/robustness/",
+        script="robustness_table.py",
+        render=render,
+        print_all=print_all,
+    )
 
 
 if __name__ == "__main__":

@@ -3,24 +3,18 @@ benchmarks/robustness/ (the ``--json`` output of ``capsctl robustness``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "robustness_table", ROOT / "scripts/robustness_table.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("robustness_table")
 
 
 def _doc(clean: float, **parts: Any) -> str:
@@ -105,3 +99,19 @@ def test_check_says_whether_the_readme_is_the_measurements(
     script.MEASURED = Path("/nonexistent")  # nothing measured: every block would change
     assert script.main(["--check", str(readme)]) == 1
     assert "run python scripts/robustness_table.py --write" in capsys.readouterr().err
+
+
+def test_write_replaces_stale_blocks_and_then_check_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _script()
+    monkeypatch.setattr(script, "MEASURED", _measured(tmp_path / "measured").parent)
+    readme = tmp_path / "README.md"
+    name = "cifar10-fast-cpu"
+    text = f"top\n<!-- robustness:{name} -->\nOLD TABLE\n<!-- /robustness:{name} -->\n"
+    readme.write_text(text)
+    assert script.main(["--check", str(readme)]) == 1
+    assert readme.read_text() == text  # a check never writes
+    assert script.main(["--write", str(readme)]) == 0
+    assert "| cnn, seed 0 | 90.0 |" in readme.read_text() and "OLD TABLE" not in readme.read_text()
+    assert script.main(["--check", str(readme)]) == 0
