@@ -12,9 +12,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
 from tiny import tiny_args  # noqa: E402
+
+#: The repository's root folder.
+ROOT = Path(__file__).resolve().parents[1]
 
 #: Steps per epoch of the session's tiny trained run (one epoch, batch 16).
 TINY_RUN_STEPS = 20
@@ -31,6 +35,20 @@ def run_cli(capsys: pytest.CaptureFixture[str], args: Sequence[str]) -> tuple[in
         code = int(e.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` loaded as the module ``name`` (registered in ``sys.modules``, where
+    dataclasses and the scripts' own imports of each other look it up)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def fake_finished_run(

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 
 from capsctl.data import (
     DATASETS,
@@ -815,18 +816,12 @@ def test_quickstart_in_a_loader() -> None:
 
 def test_quickstart_file_is_reproduced_by_its_script(tmp_path: Path) -> None:
     """scripts/make_quickstart_data.py rebuilds exactly the shipped arrays from Debian's files."""
-    import importlib.util
-
     import numpy as np
 
     source = Path("/usr/share/datasets/fashion-mnist")
     if not (source / "train-images-idx3-ubyte.gz").exists():
         pytest.skip("Debian's dataset-fashion-mnist is not installed")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "make_quickstart_data.py"
-    spec = importlib.util.spec_from_file_location("make_quickstart_data", script)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("make_quickstart_data")
     out = tmp_path / "q.npz"
     assert mod.main(["--source", str(source), "--out", str(out)]) == 0
     shipped = Path(__file__).resolve().parent.parent / "capsctl" / "data" / "embedded"

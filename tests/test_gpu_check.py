@@ -4,7 +4,6 @@ summary of the part files and the message on a machine without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
@@ -20,12 +20,7 @@ PARTS = ("check", "bench", "compile", "train")
 
 
 def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name)
 
 
 def _cifar_source(root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

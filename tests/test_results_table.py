@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import load_script, run_cli
 
 from capsctl.suites import load_suite, read_results, report_suite, write_results
 from tests.test_measured import _suite_folder
@@ -15,13 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "results_table", ROOT / "scripts/results_table.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("results_table")
 
 
 def test_table_of_a_results_file(tmp_path: Path) -> None:
