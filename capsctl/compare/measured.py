@@ -61,7 +61,7 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
     targets, each with its measured accuracy: from the run folder's finished runs, or from the
     suite's results file in the package (None where neither has the member)."""
     from capsctl.suites import load_suite, report_suite
-    from capsctl.suites.results_file import result_rows
+    from capsctl.suites.results_file import parse_row, result_rows
     from capsctl.suites.runner import Pair, resolved_pair_preset
 
     folder = Path(spec).expanduser() if is_suite_folder(spec) else None
@@ -72,17 +72,7 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
         report = report_suite(suite, folder, score=False)
         for row in result_rows(report):
             if row["test_set"] == test and row["top1_mean"]:
-                parsed = {
-                    "top1_mean": float(row["top1_mean"]),
-                    "top1_std": float(row["top1_std"]) if row["top1_std"] else None,
-                    "seeds_run": int(row["seeds_run"]),
-                    "test_set": test,
-                    "test_images": int(row["test_images"]) if row["test_images"] else None,
-                    "budget": row["budget"] or None,
-                    "metric": row["metric"] or None,
-                    "epochs": float(row["epochs"]) if row["epochs"] else None,
-                }
-                measured[row["member"]] = _measured(parsed, str(folder))
+                measured[row["member"]] = _measured(parse_row(row), str(folder))
     elif suite.results and (RESULTS_DIR / suite.results).is_file():
         measured = measured_from_file(RESULTS_DIR / suite.results, test)
     targets = []

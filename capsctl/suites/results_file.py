@@ -12,7 +12,14 @@ from typing import Any
 
 from capsctl.suites.report import SuiteReport
 
-__all__ = ["RESULT_COLUMNS", "read_results", "result_rows", "results_csv", "write_results"]
+__all__ = [
+    "RESULT_COLUMNS",
+    "parse_row",
+    "read_results",
+    "result_rows",
+    "results_csv",
+    "write_results",
+]
 
 #: The columns of a results file, in order.
 RESULT_COLUMNS = (
@@ -117,13 +124,13 @@ def read_results(path: Path) -> list[dict[str, Any]]:
         reader = csv.DictReader(f)
         if tuple(reader.fieldnames or ()) != RESULT_COLUMNS:
             raise ValueError(f"{path}: not a capsctl results file (unexpected header)")
-        rows = []
-        for raw in reader:
-            row: dict[str, Any] = {}
-            for k, v in raw.items():
-                row[k] = _parse_cell(k, v)
-            rows.append(row)
-    return rows
+        return [parse_row(raw) for raw in reader]
+
+
+def parse_row(raw: dict[str, str]) -> dict[str, Any]:
+    """One results row as written (:func:`result_rows`) with numbers as numbers and empty cells
+    as None."""
+    return {k: _parse_cell(k, v) for k, v in raw.items()}
 
 
 _INT_COLUMNS = ("test_images", "seeds_run", "params", "cores")
