@@ -163,6 +163,34 @@ def test_the_cli_attacks_the_cw_margin_when_asked(
     assert e.value.code == 2 and err.count("\n") == 0 and "--loss hinge" in err and "cw" in err
 
 
+@pytest.mark.parametrize("option", [{"loss": "cw"}, {"targeted": True}], ids=["cw", "targeted"])
+def test_multi_label_data_refuses_a_single_label_attack_in_one_line(
+    option: dict, tmp_path: Path, data_root: Path
+) -> None:
+    """The CW margin and the targeted attack need one label per image; DiverseMultiMNIST has
+    two."""
+    from capsctl.checkpoint import model_tensors, save_checkpoint
+    from capsctl.config import Preset, preset_to_dict, resolve_config
+    from capsctl.errors import UsageError
+    from capsctl.models import build_model_from_config
+
+    cfg = resolve_config(
+        {"base": "mnist-caps", "primary_types": 4, "primary_dim": 16, "layers": [],
+         "input_size": 36}
+    )  # fmt: skip
+    preset = Preset(name="tiny", model=cfg)
+    preset.data.dataset, preset.data.normalization = "diverse-multimnist", "mnist"
+    path = tmp_path / "m.safetensors"
+    weights = model_tensors(build_model_from_config(cfg))
+    save_checkpoint(path, weights, {"preset": preset_to_dict(preset), "epoch": 1})
+    with pytest.raises(UsageError) as e:
+        robustness_checkpoint(
+            path, attacks=("fgsm",), eps=(EPS,), limit=4, device="cpu",
+            data_dir=str(data_root), **option,
+        )  # fmt: skip
+    assert "one label per image" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "model",
     [{"router": {"name": "self"}}, {"arch": "cnn"}, {"arch": "resnet18", "in_channels": 1}],
