@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from conftest import fake_finished_run, run_cli
 
+from capsctl.config.model_refs import build_model
 from capsctl.errors import CapsctlError, ConfigError
-from capsctl.suites import load_suite, pair_commands, plan_pairs, report_suite
+from capsctl.suites import list_suites, load_suite, pair_commands, plan_pairs, report_suite
 from capsctl.suites.report import aggregate
 from capsctl.suites.results_file import RESULT_COLUMNS, read_results, write_results
-from capsctl.suites.runner import epochs_trained
+from capsctl.suites.runner import epochs_trained, resolved_pair_preset
 
 # A tiny capsule net on the embedded Fashion-MNIST subset: a few seconds per run.
 TINY_SET = [
@@ -69,6 +70,17 @@ def test_bundled_suite_loads_with_its_members() -> None:
     assert suite.seeds_of(suite.member("resnet18")) == (0, 1)
     assert suite.member("resnet18").budget == "matched"
     assert suite.tests == ("test-lossless-1k", "test-jpeg")
+
+
+@pytest.mark.parametrize("name", [n for n, _ in list_suites()])
+def test_every_member_of_a_bundled_suite_builds(name: str) -> None:
+    # A member's overrides must name registered models and known fields: a typo here only
+    # surfaces when the suite reaches that member, maybe hours into a run.
+    suite = load_suite(name)
+    for pair in plan_pairs(suite, Path("unused")):
+        preset = resolved_pair_preset(suite, pair)
+        model = build_model(preset.model)
+        assert sum(p.numel() for p in model.parameters()) > 0, (name, pair.member.name)
 
 
 @pytest.mark.parametrize(
