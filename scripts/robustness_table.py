@@ -8,9 +8,11 @@ Each measured checkpoint is a folder ``benchmarks/robustness/SUITE/MEMBER/seed-N
 - ``corruptions.json``: ``--attack none --corruptions --limit 1000``;
 - ``rotate.json``, ``translate.json``: ``--attack none --shift rotate|translate --limit 1000``;
 - ``attacks-cw.json``: as ``attacks.json`` with ``--loss cw`` (the gradient-masking check);
+- ``affine.json``: ``--attack none --shift affine`` (models trained on expanded MNIST);
 
-and ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``: where it was measured;
-``commits``, by kind, where the measurements ran at different commits).
+and where it was measured: the ``provenance`` each JSON carries, or for measurements older than
+that a ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``; ``commits``, by kind,
+where the measurements ran at different commits). Only the tables of what was measured appear.
 ``python scripts/robustness_table.py`` prints every suite's tables; ``--write README.md``
 replaces the text between ``<!-- robustness:SUITE -->`` and ``<!-- /robustness:SUITE -->``;
 ``--check README.md`` exits 1 when those blocks differ from the measurements (the tests run
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_table import readme_main  # noqa: E402
 
 MEASURED = ROOT / "benchmarks" / "robustness"
-KINDS = ("attacks", "corruptions", "rotate", "translate", "attacks-cw")
+KINDS = ("attacks", "corruptions", "rotate", "translate", "attacks-cw", "affine")
 _BLOCK = re.compile(
     r"(<!-- robustness:(?P<name>[\w.-]+) -->\n)(.*?)(<!-- /robustness:(?P=name) -->)", re.S
 )
@@ -134,15 +136,10 @@ def _cw_table(res: dict[tuple[str, int], dict[str, Any]], radii: list[float]) ->
     return lines
 
 
-def table(suite_folder: Path) -> str:
-    """Two markdown tables of one suite's measured checkpoints (attacks and corruptions; shift
-    sweeps) and a line naming where and at which commits they were measured."""
-    found = checkpoints(suite_folder)
-    if not found:
-        return "(no robustness measured yet)\n"
-    res = {(m, s): {k: _result(f, k) for k in KINDS} for m, s, f in found}
-    attacks = [r[k] for r in res.values() for k in ("attacks", "attacks-cw")]
-    radii = _radii(attacks)
+def _attack_table(res: dict[tuple[str, int], dict[str, Any]], radii: list[float]) -> list[str]:
+    """Clean accuracy, the attacks with each model's own loss and the corruptions."""
+    if not any(r["attacks"] or r["corruptions"] for r in res.values()):
+        return []
     eps = " / ".join(f"{e:g}" for e in radii) + " (/255)"
     lines = [
         f"| checkpoint | clean | FGSM {eps} | PGD-10 {eps} | FGSM / PGD-10 success at "
@@ -160,9 +157,16 @@ def table(suite_folder: Path) -> str:
             f"| {member}, seed {seed} | {_pct(clean)} | {fgsm} | {pgd} | "
             f"{fgsm_success} / {pgd_success} | {_pct(mean_corr)} |"
         )
+    return lines
+
+
+def _sweep_table(res: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """The rotation and translation sweeps."""
+    if not any(r["rotate"] or r["translate"] for r in res.values()):
+        return []
     rotations = _magnitudes([r["rotate"] for r in res.values()], " degrees")
     shifts = _magnitudes([r["translate"] for r in res.values()], " px")
-    lines += [
+    lines = [
         "",
         f"| checkpoint | rotated by {rotations} | translated by {shifts} |",
         "|---|---|---|",
@@ -171,11 +175,67 @@ def table(suite_folder: Path) -> str:
         lines.append(
             f"| {member}, seed {seed} | {_sweep(r['rotate'])} | {_sweep(r['translate'])} |"
         )
-    lines += _cw_table(res, radii)
+    return lines
+
+
+def _affine_table(res: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """Sabour et al.'s protocol: the (translated) test set the model trained for, then the
+    affNIST-style sets at each fraction of affNIST's ranges (0: the digit centred)."""
+    checked = [(key, r["affine"]) for key, r in res.items() if r["affine"] is not None]
+    if not checked:
+        return []
+    fractions = _magnitudes([a for _, a in checked], "")
+    lines = [
+        "",
+        f"| checkpoint | test ({checked[0][1]['dataset']}) | affNIST-style 40x40, at "
+        f"{fractions} of affNIST's ranges |",
+        "|---|---|---|",
+    ]
+    for (member, seed), a in checked:
+        lines.append(f"| {member}, seed {seed} | {_pct(a['clean_accuracy'])} | {_sweep(a)} |")
+    return lines
+
+
+def _provenance(folder: Path) -> dict[str, Any]:
+    """Where a checkpoint was measured: its ``provenance.json``, else the ``provenance`` each
+    measurement's JSON carries (one commit per kind)."""
+    path = folder / "provenance.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    found = {}
+    for kind in KINDS:
+        doc = folder / f"{kind}.json"
+        if doc.is_file():
+            found[kind] = json.loads(doc.read_text(encoding="utf-8")).get("provenance") or {}
+    if not found or not all(p.get("commit") for p in found.values()):
+        raise SystemExit(f"{folder}: no provenance.json and a measurement without provenance")
+    first = next(iter(found.values()))
+    return {
+        "commit": first["commit"],
+        "cpu": first["cpu"],
+        "cores": first["cores"],
+        "torch": first["torch_version"],
+        "commits": {kind: p["commit"] for kind, p in found.items()},
+    }
+
+
+def table(suite_folder: Path) -> str:
+    """Markdown tables of one suite's measured checkpoints (attacks and corruptions; shift
+    sweeps; the CW check; the affNIST-style sets), each only where something was measured,
+    and a line naming where and at which commits."""
+    found = checkpoints(suite_folder)
+    if not found:
+        return "(no robustness measured yet)\n"
+    res = {(m, s): {k: _result(f, k) for k in KINDS} for m, s, f in found}
+    radii = _radii([r[k] for r in res.values() for k in ("attacks", "attacks-cw")])
+    lines = _attack_table(res, radii) + _sweep_table(res) + _cw_table(res, radii)
+    lines += _affine_table(res)
+    if lines[0] == "":
+        lines = lines[1:]
     machines: set[str] = set()
     commits: dict[str, list[str]] = defaultdict(list)
     for member, seed, folder in found:
-        p = json.loads((folder / "provenance.json").read_text(encoding="utf-8"))
+        p = _provenance(folder)
         machines.add(f"{p['cpu']} ({p['cores']} cores), torch {p['torch']}")
         for commit in sorted({c[:9] for c in p.get("commits", {}).values()} or {p["commit"][:9]}):
             commits[commit].append(f"{member} {seed}")

@@ -4,6 +4,7 @@ eps 0 and at an identity shift, the CLI's outputs and one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -274,6 +275,9 @@ def test_cli_json_pictures_and_no_overwrite(
     main([*args, "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert len(doc["results"]) == 2 and doc["results"][0]["attacks"][1]["eps"] == EPS
+    # where it was measured travels with the numbers
+    assert doc["provenance"]["torch_version"] == torch.__version__
+    assert doc["provenance"]["cores"] == os.cpu_count() and "commit" in doc["provenance"]
     assert (pics / "accuracy-vs-eps.png").stat().st_size > 0
     with pytest.raises(SystemExit) as e:
         main(args)

@@ -115,3 +115,38 @@ def test_write_replaces_stale_blocks_and_then_check_passes(
     assert script.main(["--write", str(readme)]) == 0
     assert "| cnn, seed 0 | 90.0 |" in readme.read_text() and "OLD TABLE" not in readme.read_text()
     assert script.main(["--check", str(readme)]) == 0
+
+
+def test_affine_protocol_table_with_the_provenance_its_json_carries(tmp_path: Path) -> None:
+    # A suite measured only on affNIST-style sets: its table alone, no attack or sweep table;
+    # no provenance.json, so where it was measured comes from each JSON's own provenance.
+    suite = tmp_path / "expanded-mnist-cpu"
+    prov = {"commit": "d" * 40, "cpu": "Test CPU", "cores": 2, "torch_version": "9.9"}
+    for member, accs in (("caps", (0.99, 0.991, 0.7)), ("cnn", (0.995, 0.996, 0.6))):
+        folder = suite / member / "seed-0"
+        folder.mkdir(parents=True)
+        shifts = [
+            {"shift": "affine", "magnitude": m, "accuracy": a}
+            for m, a in zip((0, 1), accs[1:], strict=True)
+        ]
+        doc = json.loads(_doc(accs[0], shifts=shifts, dataset="expanded-mnist", count=10000))
+        doc["provenance"] = prov | ({"commit": "e" * 40} if member == "cnn" else {})
+        (folder / "affine.json").write_text(json.dumps(doc))
+    lines = _script().table(suite).splitlines()
+    assert lines[:4] == [
+        "| checkpoint | test (expanded-mnist) | affNIST-style 40x40, at 0/1 of affNIST's ranges |",
+        "|---|---|---|",
+        "| caps, seed 0 | 99.0 | 99.1 / 70.0 |",
+        "| cnn, seed 0 | 99.5 | 99.6 / 60.0 |",
+    ]
+    assert not any("FGSM" in line or "rotated" in line for line in lines)
+    assert "Test CPU (2 cores), torch 9.9" in lines[-1]
+    assert "commits ddddddddd (caps 0), eeeeeeeee (cnn 0);" in lines[-1]
+
+
+def test_a_measurement_without_provenance_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "expanded-mnist-cpu" / "caps" / "seed-0"
+    folder.mkdir(parents=True)
+    (folder / "affine.json").write_text(_doc(0.9, dataset="expanded-mnist"))
+    with pytest.raises(SystemExit, match="without provenance"):
+        _script().table(folder.parents[1])

@@ -10,6 +10,7 @@ from typing import Any
 from capsctl.atomic import check_output
 from capsctl.errors import UsageError
 from capsctl.events import EventFn
+from capsctl.provenance import provenance
 from capsctl.robustness.api import RobustnessResult, robustness_checkpoint
 from capsctl.robustness.plot import plot_robustness
 
@@ -20,11 +21,14 @@ __all__ = ["RobustnessRun", "run_robustness"]
 class RobustnessRun:
     results: list[RobustnessResult]
     pictures: list[Path] = field(default_factory=list)
+    # where it was measured: capsctl commit and version, torch, CPU, cores, device
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "results": [r.to_dict() for r in self.results],
             "pictures": [str(p) for p in self.pictures],
+            "provenance": self.provenance,
         }
 
 
@@ -55,4 +59,4 @@ def run_robustness(
             check_output(folder / name, inputs=paths, overwrite=overwrite)
     results = [robustness_checkpoint(p, on_event=on_event, **options) for p in paths]
     pictures = plot_robustness(results, png, overwrite=overwrite) if png is not None else []
-    return RobustnessRun(results, pictures)
+    return RobustnessRun(results, pictures, provenance())

@@ -32,7 +32,7 @@ from typing import Any
 from capsctl.atomic import write_text_atomic
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
-from capsctl.suites.provenance import provenance
+from capsctl.provenance import provenance
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [

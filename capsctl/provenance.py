@@ -1,5 +1,5 @@
-"""What trained a run: the capsctl commit (when run from a git checkout), the machine and the
-library versions, as results files record them."""
+"""What produced a result: the capsctl commit (when run from a git checkout), the machine and
+the library versions, as results files and robustness measurements record them."""
 
 from __future__ import annotations
 
