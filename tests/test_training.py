@@ -144,6 +144,12 @@ def test_sigint_mid_epoch_saves_and_resumes_exactly(tmp_path: Path) -> None:
     assert meta["epoch"] == 1 and meta["partial"]["step"] == 3
     fit(tiny_preset(), run, resume=run / LAST)
     assert_same(weights(full / LAST), weights(run / LAST))
+    # the epoch's gradient trace counts the steps before the interruption too
+    before, after = (
+        [json.loads(x) for x in (f / METRICS).read_text().splitlines()] for f in (full, run)
+    )
+    for key in ("grad_norm_mean", "grad_norm_max"):
+        assert after[-1][key] == pytest.approx(before[-1][key], rel=1e-6) and after[-1][key] > 0
 
 
 def test_out_dir_holding_a_run_is_refused(tmp_path: Path) -> None:
@@ -320,9 +326,11 @@ def test_training_options_take_effect(tmp_path: Path, monkeypatch: pytest.Monkey
 
     plain = fit(tiny_preset(epochs=1, ema_decay=None), tmp_path / "plain", handle_sigint=False)
     assert set(seen["act"]) == {torch.float32} and not any(seen["channels_last"])
-    assert seen["pre_clip"] == []
-    seen["act"].clear()
-    seen["channels_last"].clear()
+    # without grad_clip the norm is only measured: the gradients are left as they were
+    assert len(seen["pre_clip"]) == 6
+    assert seen["post_clip"] == pytest.approx(seen["pre_clip"], rel=1e-6)
+    for key in seen:
+        seen[key].clear()
     opts = tiny_preset(
         epochs=1,
         ema_decay=None,
@@ -344,6 +352,10 @@ def test_training_options_take_effect(tmp_path: Path, monkeypatch: pytest.Monkey
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights)
     assert len(seen["pre_clip"]) == 6 and max(seen["pre_clip"]) > 0.05  # clipping was active
     assert all(n <= 0.05 * (1 + 1e-4) for n in seen["post_clip"])
+    # the metrics trace the norm before clipping
+    (rec,) = [json.loads(x) for x in (tmp_path / "opts" / METRICS).read_text().splitlines()]
+    assert rec["grad_norm_max"] == pytest.approx(max(seen["pre_clip"]), rel=1e-5)
+    assert rec["grad_norm_mean"] == pytest.approx(sum(seen["pre_clip"]) / 6, rel=1e-5)
     a = load_tensors(tmp_path / "plain" / LAST)
     b = load_tensors(tmp_path / "opts" / LAST)
     assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
@@ -378,6 +390,12 @@ def test_interrupt_before_the_first_validation_resumes_exactly(tmp_path: Path) -
     assert meta["best"] == {"epoch": None, "val_accuracy": None}
     fit(tiny_preset(), run, resume=run / LAST)
     assert_same(weights(full / LAST), weights(run / LAST))
+    # the epoch's gradient trace counts the steps before the interruption too
+    before, after = (
+        [json.loads(x) for x in (f / METRICS).read_text().splitlines()] for f in (full, run)
+    )
+    for key in ("grad_norm_mean", "grad_norm_max"):
+        assert after[-1][key] == pytest.approx(before[-1][key], rel=1e-6) and after[-1][key] > 0
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from capsctl.events import EventFn, emit
 from capsctl.losses import count_correct
 from capsctl.training.distributed import Distributed
 from capsctl.training.ending import FitResult, RunEnd
+from capsctl.training.epoch_stats import EpochStats
 from capsctl.training.interrupt import Interrupted, sigint_as_flag, stop_exit_code
 from capsctl.training.ownership import RunLock, clear_temp_files, recover_parked
 from capsctl.training.phases import PhaseClock
@@ -93,32 +93,6 @@ def fit(
         dist.close()
 
 
-@dataclass
-class _EpochStats:
-    """Running sums of an epoch (kept on the device; mid-epoch checkpoints store them)."""
-
-    loss_sum: Tensor
-    correct: Tensor
-    seen: int = 0
-    resumed_seen: int = 0  # images done before an interruption (for the speed shown)
-    # on an accelerator: the first step whose loss was not finite (-1: none), read every
-    # SYNC_EVERY steps instead of after each step (each read waits for the device)
-    first_bad: Tensor | None = None
-
-    @classmethod
-    def start(cls, device: torch.device, partial: dict[str, Any] | None) -> _EpochStats:
-        stats = cls(
-            torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.int64)
-        )
-        if device.type != "cpu":
-            stats.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
-        if partial:
-            stats.loss_sum += float(partial["loss_sum"])
-            stats.correct += int(partial["correct"])
-            stats.seen = stats.resumed_seen = int(partial["seen"])
-        return stats
-
-
 class Trainer(RunSetUp, RunEnd):
     """One training run; :func:`fit` is its public face."""
 
@@ -158,7 +132,7 @@ class Trainer(RunSetUp, RunEnd):
         )
         t0 = time.perf_counter()
         resumed = self.partial if epoch == self.start_epoch else None
-        stats = _EpochStats.start(self.device, resumed)
+        stats = EpochStats.start(self.device, resumed)
         skip = int(resumed["step"]) if resumed else 0
         out_of_time = False
         clock = PhaseClock()
@@ -188,6 +162,7 @@ class Trainer(RunSetUp, RunEnd):
             "epoch_seconds": train_time,
             "images": int(seen),
             "images_per_s": seen / max(train_time, 1e-9),
+            **stats.grad_record(),
             **clock.record(),
             **({"time_limit": True} if out_of_time else {}),
         }
@@ -197,7 +172,7 @@ class Trainer(RunSetUp, RunEnd):
         epoch: int,
         step: int,
         batch: tuple[Tensor, Tensor],
-        stats: _EpochStats,
+        stats: EpochStats,
         flag: dict[str, bool],
         t0: float,
         clock: PhaseClock,
@@ -214,8 +189,9 @@ class Trainer(RunSetUp, RunEnd):
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clock.lap("backward")
-        if t.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        # the total norm before clipping (no clipping: max_norm inf scales by exactly 1)
+        clip = float("inf") if t.grad_clip is None else t.grad_clip
+        stats.note_grad_norm(nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
         self.scheduler.step()
         if self.ema is not None:
@@ -241,7 +217,7 @@ class Trainer(RunSetUp, RunEnd):
             )
 
     def _check_finite(
-        self, loss: Tensor, epoch: int, step: int, stats: _EpochStats, flag: dict[str, bool]
+        self, loss: Tensor, epoch: int, step: int, stats: EpochStats, flag: dict[str, bool]
     ) -> None:
         """A non-finite loss ends the run. On a CPU it is seen at once; on an accelerator the
         first bad step is kept on the device and read every :data:`SYNC_EVERY` steps and at
@@ -273,14 +249,9 @@ class Trainer(RunSetUp, RunEnd):
             "Lower train.lr or set train.grad_clip"
         )
 
-    def _save_mid_epoch(self, epoch: int, done: int, stats: _EpochStats) -> None:
+    def _save_mid_epoch(self, epoch: int, done: int, stats: EpochStats) -> None:
         """Save mid-epoch: resume skips the batches already done and continues exactly."""
-        partial = {
-            "step": done,
-            "loss_sum": float(stats.loss_sum),
-            "correct": int(stats.correct),
-            "seen": stats.seen,
-        }
+        partial = stats.partial(done)
         self.save_last(epoch, self.history[-1] if self.history else {}, {"partial": partial})
 
     # -- end of an epoch -----------------------------------------------------------------------
