@@ -44,6 +44,8 @@ def record(epoch: int, scale: float = 1.0, val: bool = True) -> dict[str, Any]:
         "epoch_seconds": 1.5,
         "images_per_s": 1000.0 * epoch,
         "forward_seconds": 0.5,
+        "grad_norm_mean": 3.0 / epoch,
+        "grad_norm_max": 5.0 / epoch,
     }
     if val:
         rec.update(
@@ -162,6 +164,7 @@ def test_resolve_metrics() -> None:
         "val_top5",
     ]
     assert resolve_metrics(["loss"]) == ["train_loss", "val_loss"]
+    assert resolve_metrics(["grad_norm"]) == ["grad_norm_mean", "grad_norm_max"]
     with pytest.raises(UsageError) as info:
         resolve_metrics(["val_acc"])
     message = str(info.value)
@@ -219,6 +222,8 @@ def test_metrics_choose_the_panels(tmp_path: Path) -> None:
     assert png_size(five)[1] > 1.5 * png_size(three)[1]  # two rows of panels
     with_top5 = plot_runs([run_dir], tmp_path / "top5.png", ["accuracy", "val_top5"])
     assert colour_pixels(with_top5, GREEN) > 20 and colour_pixels(three, GREEN) == 0
+    four = plot_runs([run_dir], tmp_path / "four.png", ["loss", "accuracy", "lr", "grad_norm"])
+    assert png_size(four)[1] > 1.5 * png_size(three)[1]  # the gradient norm's panel is drawn
 
 
 def test_run_without_validation(tmp_path: Path) -> None:
@@ -354,6 +359,8 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
         "speed/images_per_s",
         "speed/epoch_seconds",
         "time/forward",
+        "grad_norm/mean",
+        "grad_norm/max",
     }
     assert got["loss/train"] == [(1, pytest.approx(2.0)), (2, pytest.approx(1.0))]
     assert got["lr"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.05))]

@@ -63,6 +63,7 @@ PANELS: dict[str, Panel] = {
     "lr": Panel("Learning rate", "learning rate"),
     "images_per_s": Panel("Training throughput", "images / s"),
     "epoch_seconds": Panel("Epoch time", "seconds"),
+    "grad_norm": Panel("Gradient norm (before clipping)", "L2 norm"),
 }
 
 #: Every curve that can be drawn, by ``metrics.jsonl`` key.
@@ -77,6 +78,8 @@ SERIES: dict[str, Series] = {
         Series("lr", "lr", "lr", "-", True),
         Series("images_per_s", "images_per_s", "images/s", "-", True),
         Series("epoch_seconds", "epoch_seconds", "seconds", "-", True),
+        Series("grad_norm_mean", "grad_norm", "mean", "-", True),
+        Series("grad_norm_max", "grad_norm", "max", "--", True),
     )
 }
 

@@ -27,6 +27,8 @@ TB_TAGS: dict[str, str] = {
     "optimizer_seconds": "time/optimizer",
     "other_seconds": "time/other",
     "val_seconds": "time/val",
+    "grad_norm_mean": "grad_norm/mean",
+    "grad_norm_max": "grad_norm/max",
 }
 
 
