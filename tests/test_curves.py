@@ -169,7 +169,7 @@ def test_resolve_metrics() -> None:
         resolve_metrics(["val_acc"])
     message = str(info.value)
     assert "unknown metric 'val_acc'" in message
-    for name in ("loss", "accuracy", "val_accuracy", "val_top5", "lr", "images_per_s"):
+    for name in ("loss", "accuracy", "val_accuracy", "val_top5", "lr", "images_per_s", "grad_norm"):
         assert name in message
 
 

@@ -10,6 +10,7 @@ import typer
 
 from capsctl.cli.app import JsonOpt, app
 from capsctl.cli.inputs import require_input
+from capsctl.curves.plot import known_metrics
 
 
 @app.command("export")
@@ -157,8 +158,7 @@ def plot_cmd(
         typer.Option(
             "--metric",
             "-m",
-            help="What to draw (repeatable): loss, accuracy, train_loss, val_loss, "
-            "train_accuracy, val_accuracy, val_top5, lr, images_per_s, epoch_seconds. "
+            help=f"What to draw (repeatable): {', '.join(known_metrics())}. "
             "Default: loss, accuracy, lr.",
         ),
     ] = None,

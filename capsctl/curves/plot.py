@@ -91,14 +91,15 @@ _SERIES_COLORS = {"train": "C0", "val": "C1", "val top-5": "C2"}
 
 
 def known_metrics() -> list[str]:
-    """Names ``metrics`` accepts: panel names (``loss``, ``accuracy``) and every curve's key."""
-    return ["loss", "accuracy", *SERIES]
+    """Names ``metrics`` accepts: the names of panels of several curves (``loss``,
+    ``accuracy``, ``grad_norm``) and every curve's key."""
+    return [*(p for p in PANELS if p not in SERIES), *SERIES]
 
 
 def resolve_metrics(metrics: Sequence[str] | None = None) -> list[str]:
     """The curve keys to draw, in :data:`SERIES` order; UsageError on an unknown name.
 
-    A panel name (``loss``, ``accuracy``) stands for its default curves (train and val);
+    A panel name (``loss``, ``accuracy``, ``grad_norm``) stands for its default curves;
     a curve key (``val_accuracy``, ``val_top5``, ``lr``...) for itself. Commas separate names
     too (``val_accuracy,lr``). None or empty: :data:`DEFAULT_METRICS`.
     """
