@@ -197,26 +197,26 @@ def _affine_table(res: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
 
 
 def _provenance(folder: Path) -> dict[str, Any]:
-    """Where a checkpoint was measured: its ``provenance.json``, else the ``provenance`` each
-    measurement's JSON carries (one commit per kind)."""
+    """Where a checkpoint was measured: ``cpu``, ``cores``, ``torch`` and the ``commits`` of its
+    kinds of measurement, from the ``provenance`` each measurement's JSON carries, and for
+    older measurements without one from the folder's ``provenance.json``."""
     path = folder / "provenance.json"
-    if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
-    found = {}
+    base = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    found: dict[str, Any] = {k: v for k, v in base.items() if k in ("cpu", "cores", "torch")}
+    commits: dict[str, str] = {}
     for kind in KINDS:
         doc = folder / f"{kind}.json"
-        if doc.is_file():
-            found[kind] = json.loads(doc.read_text(encoding="utf-8")).get("provenance") or {}
-    if not found or not all(p.get("commit") for p in found.values()):
-        raise SystemExit(f"{folder}: no provenance.json and a measurement without provenance")
-    first = next(iter(found.values()))
-    return {
-        "commit": first["commit"],
-        "cpu": first["cpu"],
-        "cores": first["cores"],
-        "torch": first["torch_version"],
-        "commits": {kind: p["commit"] for kind, p in found.items()},
-    }
+        if not doc.is_file():
+            continue
+        own = json.loads(doc.read_text(encoding="utf-8")).get("provenance") or {}
+        if own.get("commit"):
+            commits[kind] = own["commit"]
+            found = {"cpu": own["cpu"], "cores": own["cores"], "torch": own["torch_version"]}
+        elif base:
+            commits[kind] = base.get("commits", {}).get(kind, base["commit"])
+        else:
+            raise SystemExit(f"{doc}: no provenance in it and no provenance.json beside it")
+    return found | {"commits": commits}
 
 
 def table(suite_folder: Path) -> str:
@@ -237,7 +237,7 @@ def table(suite_folder: Path) -> str:
     for member, seed, folder in found:
         p = _provenance(folder)
         machines.add(f"{p['cpu']} ({p['cores']} cores), torch {p['torch']}")
-        for commit in sorted({c[:9] for c in p.get("commits", {}).values()} or {p["commit"][:9]}):
+        for commit in sorted({c[:9] for c in p["commits"].values()}):
             commits[commit].append(f"{member} {seed}")
     datasets = sorted(
         {

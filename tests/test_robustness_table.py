@@ -148,5 +148,16 @@ def test_a_measurement_without_provenance_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "expanded-mnist-cpu" / "caps" / "seed-0"
     folder.mkdir(parents=True)
     (folder / "affine.json").write_text(_doc(0.9, dataset="expanded-mnist"))
-    with pytest.raises(SystemExit, match="without provenance"):
+    with pytest.raises(SystemExit, match="no provenance in it"):
         _script().table(folder.parents[1])
+
+
+def test_a_newer_measurement_names_its_own_commit_beside_an_older_provenance_file(
+    tmp_path: Path,
+) -> None:
+    suite = _measured(tmp_path)
+    doc = json.loads(_doc(0.9, attacks=[_attack("pgd", 8, 0.02, 0.98)], loss_name="cw_margin"))
+    doc["provenance"] = {"commit": "f" * 40, "cpu": "Test CPU", "cores": 2, "torch_version": "9.9"}
+    (suite / "cnn/seed-0/attacks-cw.json").write_text(json.dumps(doc))
+    last = _script().table(suite).splitlines()[-1]
+    assert "aaaaaaaaa (cnn 0), ccccccccc (cnn 0), fffffffff (cnn 0);" in last
