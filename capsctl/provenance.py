@@ -29,7 +29,7 @@ def cpu_model() -> str:
 def git_commit() -> str | None:
     """The commit of the checkout capsctl runs from (``+dirty`` when files differ), or None for
     an installed wheel or a machine without git."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():
         return None
     try:
