@@ -206,15 +206,16 @@ def test_on_an_accelerator_the_loss_is_read_every_few_steps_and_a_bad_step_is_na
 
     import capsctl.losses as losses
     from capsctl.training import trainer
+    from capsctl.training.epoch_stats import EpochStats
 
-    start = trainer._EpochStats.start.__func__  # noqa: SLF001
+    start = EpochStats.start.__func__
 
     def on_device(cls, device, partial):  # type: ignore[no-untyped-def]
         stats = start(cls, device, partial)
         stats.first_bad = torch.full((), -1, dtype=torch.int64)  # as on an accelerator
         return stats
 
-    monkeypatch.setattr(trainer._EpochStats, "start", classmethod(on_device))  # noqa: SLF001
+    monkeypatch.setattr(EpochStats, "start", classmethod(on_device))
     monkeypatch.setattr(trainer, "SYNC_EVERY", 4)
     calls = {"n": 0}
     real = torch.nn.functional
