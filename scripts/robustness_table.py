@@ -68,6 +68,19 @@ def _member_order(suite: str) -> list[str]:
     return []
 
 
+def _known_files(folder: Path) -> None:
+    """Refuse a checkpoint folder holding a file that is not a kind of measurement (a misnamed
+    one would vanish from the README) or holding no measurement at all."""
+    known = {f"{kind}.json" for kind in KINDS}
+    for path in sorted(folder.iterdir()):
+        if path.name not in known | {"provenance.json"}:
+            raise SystemExit(
+                f"{path}: not a kind of measurement; name it one of {', '.join(sorted(known))}"
+            )
+    if not any((folder / name).is_file() for name in known):
+        raise SystemExit(f"{folder}: no measurement in it; remove the folder or measure it")
+
+
 def checkpoints(suite_folder: Path) -> list[tuple[str, int, Path]]:
     """(member, seed, folder) of every measured checkpoint, in the suite's member order."""
     order = _member_order(suite_folder.name)
@@ -76,6 +89,8 @@ def checkpoints(suite_folder: Path) -> list[tuple[str, int, Path]]:
         for f in suite_folder.glob("*/seed-*")
         if f.is_dir() and f.name.removeprefix("seed-").isdigit()
     ]
+    for _, _, folder in found:
+        _known_files(folder)
     rank = {m: i for i, m in enumerate(order)}
     return sorted(found, key=lambda t: (rank.get(t[0], len(rank)), t[0], t[1]))
 

@@ -161,3 +161,23 @@ def test_a_newer_measurement_names_its_own_commit_beside_an_older_provenance_fil
     (suite / "cnn/seed-0/attacks-cw.json").write_text(json.dumps(doc))
     last = _script().table(suite).splitlines()[-1]
     assert "aaaaaaaaa (cnn 0), ccccccccc (cnn 0), fffffffff (cnn 0);" in last
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("attack.json", "attack.json: not a kind of measurement"),
+        ("notes.txt", "notes.txt: not a kind of measurement"),
+        (None, "seed-0: no measurement in it"),
+    ],
+)
+def test_a_checkpoint_folder_without_a_known_measurement_is_refused(
+    tmp_path: Path, name: str | None, message: str
+) -> None:
+    # A misnamed measurement (or an empty folder) must not vanish from the README silently.
+    folder = tmp_path / "cifar10-fast-cpu" / "cnn" / "seed-0"
+    folder.mkdir(parents=True)
+    if name is not None:
+        (folder / name).write_text(_doc(0.9))
+    with pytest.raises(SystemExit, match=message):
+        _script().table(folder.parents[1])
