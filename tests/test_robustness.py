@@ -325,3 +325,32 @@ def test_a_picture_never_replaces_a_checkpoint_it_reads(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and str(ckpt) in line and "pick another output path" in line
     assert ckpt.read_bytes() == before and [p.name for p in pics.iterdir()] == [ckpt.name]
+
+
+def test_each_attack_and_shift_carries_its_own_wall_time(
+    tiny_checkpoint: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A clock that moves 1.5 s per reading: each setting reads it twice, so each takes 1.5 s.
+    import types
+
+    import capsctl.robustness.api as api
+
+    ticks = iter(range(1000))
+    clock = types.SimpleNamespace(perf_counter=lambda: 1.5 * next(ticks))
+    monkeypatch.setattr(api, "time", clock)
+    ckpt = str(tiny_checkpoint())
+    args = ["robustness", ckpt, "--attack", "fgsm,pgd", "--eps", "8/255", "--shift", "rotate",
+            "--magnitudes", "0,30", "--steps", "2", "--limit", "8", "--device", "cpu"]  # fmt: skip
+    main([*args, "--json"])
+    res = json.loads(capsys.readouterr().out)["results"][0]
+    assert [a["seconds"] for a in res["attacks"]] == [1.5, 1.5]
+    assert [p["seconds"] for p in res["shifts"]] == [1.5, 1.5]
+    assert res["seconds"] > 4 * 1.5  # the whole measurement holds the four settings
+    main([*args, "--csv"])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].endswith(",success_rate,seconds")
+    assert [r.rsplit(",", 1)[1] for r in rows[1:]] == ["", "1.500", "1.500", "1.500", "1.500"]
+    main(args)
+    assert "seconds" in capsys.readouterr().out

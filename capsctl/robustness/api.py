@@ -66,6 +66,7 @@ class AttackPoint:
     success_rate: float | None  # over the images correct before the attack (None: no such one)
     correct_before: int
     count: int
+    seconds: float = 0.0  # wall time of this attack over every image
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -77,6 +78,7 @@ class ShiftPoint:
     magnitude: float
     accuracy: float
     count: int
+    seconds: float = 0.0  # wall time of building and scoring this shifted set
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -88,6 +90,7 @@ class CorruptionRow:
     accuracies: list[float]  # severity 1..5
     mean: float
     substitute: bool
+    seconds: float = 0.0  # wall time of corrupting and scoring its five severities
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -191,6 +194,7 @@ def _accuracy(s: _Setup, ds: ArrayDataset, name: str, on_event: EventFn) -> floa
 def _attack_point(
     s: _Setup, attack: str, eps: float, targeted: bool, steps: int, seed: int, on_event: EventFn
 ) -> AttackPoint:
+    t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(int(seed))
     classes = s.preset.model.num_classes
     right = before = success = 0
@@ -215,8 +219,9 @@ def _attack_point(
         )  # fmt: skip
     rate = success / before if before else None
     return AttackPoint(
-        attack, eps, targeted, right / max(len(s.test), 1), rate, before, len(s.test)
-    )
+        attack, eps, targeted, right / max(len(s.test), 1), rate, before, len(s.test),
+        time.perf_counter() - t0,
+    )  # fmt: skip
 
 
 def _shift_points(
@@ -225,15 +230,15 @@ def _shift_points(
     from capsctl.robustness.shifts import affnist_set, shifted_set
 
     points = []
-    if kind == "affine":
-        digits = _affine_digits(s)
-        for m in magnitudes:
-            ds = affnist_set(digits, seed, m)
-            points.append(ShiftPoint(kind, m, _accuracy(s, ds, f"affine {m:g}", on_event), len(ds)))
-        return points
+    digits = _affine_digits(s) if kind == "affine" else s.test
     for m in magnitudes:
-        ds = shifted_set(s.test, kind, m, seed)
-        points.append(ShiftPoint(kind, m, _accuracy(s, ds, f"{kind} {m:g}", on_event), len(ds)))
+        t0 = time.perf_counter()
+        if kind == "affine":
+            ds = affnist_set(digits, seed, m)
+        else:
+            ds = shifted_set(digits, kind, m, seed)
+        accuracy = _accuracy(s, ds, f"{kind} {m:g}", on_event)
+        points.append(ShiftPoint(kind, m, accuracy, len(ds), time.perf_counter() - t0))
     return points
 
 
@@ -264,13 +269,14 @@ def _corruption_rows(s: _Setup, seed: int, on_event: EventFn) -> list[Corruption
         ) from None
     rows, images = [], s.test.images.numpy()
     for name in CORRUPTIONS:
-        accs = []
+        t0, accs = time.perf_counter(), []
         for severity in range(1, 6):
             bad = torch.from_numpy(corrupt_images(images, name, severity, seed))
             ds = ArrayDataset(bad, s.test.labels, list(s.test.classes), name)
             accs.append(_accuracy(s, ds, f"{name} {severity}", on_event))
         star = name in SUBSTITUTES
-        rows.append(CorruptionRow(name + ("*" if star else ""), accs, sum(accs) / 5, star))
+        label = name + ("*" if star else "")
+        rows.append(CorruptionRow(label, accs, sum(accs) / 5, star, time.perf_counter() - t0))
     return rows
 
 

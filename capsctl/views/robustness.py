@@ -11,23 +11,33 @@ from capsctl.views.common import fmt_pct, note, out, table
 
 __all__ = ["print_robustness", "robustness_csv"]
 
-CSV_COLUMNS = ["checkpoint", "test", "setting", "magnitude", "accuracy", "success_rate"]
+CSV_COLUMNS = [
+    "checkpoint", "test", "setting", "magnitude", "accuracy", "success_rate", "seconds"
+]  # fmt: skip
+
+#: (test, setting, magnitude label, magnitude, accuracy, success rate, seconds)
+_Row = tuple[str, str, str, float | None, float, float | None, float | None]
 
 
-def _rows(r: Any) -> list[tuple[str, str, str, float | None, float, float | None]]:
-    """(test, setting, magnitude label, magnitude, accuracy, success rate) of one result."""
-    rows: list[tuple[str, str, str, float | None, float, float | None]] = [
-        ("clean", "-", "-", None, r.clean_accuracy, None)
-    ]
+def _rows(r: Any) -> list[_Row]:
+    """The rows of one result; seconds per attack and per shift (a corruption's five
+    severities are timed together: its first row carries them)."""
+    rows: list[_Row] = [("clean", "-", "-", None, r.clean_accuracy, None, None)]
     for p in r.attacks:
         kind = "targeted" if p.targeted else "untargeted"
-        rows.append((p.attack, kind, f"eps {p.eps * 255:g}/255", p.eps, p.accuracy, p.success_rate))
+        mag = f"eps {p.eps * 255:g}/255"
+        rows.append((p.attack, kind, mag, p.eps, p.accuracy, p.success_rate, p.seconds))
     for p in r.shifts:
-        rows.append((p.shift, "-", f"{p.magnitude:g}", p.magnitude, p.accuracy, None))
+        rows.append((p.shift, "-", f"{p.magnitude:g}", p.magnitude, p.accuracy, None, p.seconds))
     for c in r.corruptions:
         for sev, acc in enumerate(c.accuracies, 1):
-            rows.append(("corruption", c.name, f"severity {sev}", float(sev), acc, None))
+            took = c.seconds if sev == 1 else None
+            rows.append(("corruption", c.name, f"severity {sev}", float(sev), acc, None, took))
     return rows
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def _footer(results: Sequence[Any]) -> None:
@@ -49,17 +59,21 @@ def _footer(results: Sequence[Any]) -> None:
 
 def _single(r: Any) -> None:
     rows = [
-        [test, setting, mag, fmt_pct(acc), fmt_pct(rate)]
-        for test, setting, mag, _, acc, rate in _rows(r)
+        [test, setting, mag, fmt_pct(acc), fmt_pct(rate), _secs(took)]
+        for test, setting, mag, _, acc, rate, took in _rows(r)
         if test != "corruption"
     ]
     title = f"{r.checkpoint}: {r.model} on {r.count:,} {r.dataset} test images (loss {r.loss_name})"
-    out.print(table(title, ["test", "setting", "magnitude", "accuracy", "success"], rows, (3, 4)))
+    heads = ["test", "setting", "magnitude", "accuracy", "success", "seconds"]
+    out.print(table(title, heads, rows, (3, 4, 5)))
     if r.corruptions:
-        crow = [[c.name, *map(fmt_pct, c.accuracies), fmt_pct(c.mean)] for c in r.corruptions]
-        crow.append(["mean", "", "", "", "", "", fmt_pct(r.mean_corruption_accuracy)])
-        heads = ["corruption", "s1", "s2", "s3", "s4", "s5", "mean"]
-        out.print(table("corruption accuracy", heads, crow, range(1, 7)))
+        crow = [
+            [c.name, *map(fmt_pct, c.accuracies), fmt_pct(c.mean), _secs(c.seconds)]
+            for c in r.corruptions
+        ]
+        crow.append(["mean", "", "", "", "", "", fmt_pct(r.mean_corruption_accuracy), ""])
+        heads = ["corruption", "s1", "s2", "s3", "s4", "s5", "mean", "seconds"]
+        out.print(table("corruption accuracy", heads, crow, range(1, 8)))
 
 
 def _side_by_side(results: Sequence[Any]) -> None:
@@ -67,7 +81,7 @@ def _side_by_side(results: Sequence[Any]) -> None:
     cells: list[dict[tuple[str, str, str], str]] = []
     for r in results:
         mine = {}
-        for test, setting, mag, _, acc, rate in _rows(r):
+        for test, setting, mag, _, acc, rate, _ in _rows(r):
             key = (test, setting, mag)
             if key not in keys:
                 keys.append(key)
@@ -98,9 +112,9 @@ def robustness_csv(results: Sequence[Any]) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     for r in results:
-        for test, setting, _, mag, acc, rate in _rows(r):
+        for test, setting, _, mag, acc, rate, took in _rows(r):
             writer.writerow(
                 [r.checkpoint, test, setting, "" if mag is None else f"{mag:g}", f"{acc:.6f}",
-                 "" if rate is None else f"{rate:.6f}"]
+                 "" if rate is None else f"{rate:.6f}", "" if took is None else f"{took:.3f}"]
             )  # fmt: skip
     return buf.getvalue()
