@@ -124,16 +124,25 @@ def readme_main(
     script: str,
     render: Callable[[str], str],
     print_all: Callable[[], None],
+    pictures: Callable[[Path, bool], list[Path]] | None = None,
 ) -> int:
     """The command line of a script (``scripts/<script>``) that generates the README's ``what``
     blocks from ``source``: ``--write README`` replaces them (atomically, only when they
     change), ``--check README`` exits 1 with one line on stderr when they differ, and no option
-    prints every table (``print_all``)."""
+    prints every table (``print_all``). With ``pictures``, ``--png DIR [--overwrite]`` draws
+    them into DIR instead (``pictures(DIR, overwrite)`` returns the files written)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--write", type=Path, help=f"replace the README's {what} blocks")
     group.add_argument("--check", type=Path, help="exit 1 when the README's blocks are stale")
+    if pictures is not None:
+        group.add_argument("--png", type=Path, help="draw the pictures into this folder")
+        ap.add_argument("--overwrite", action="store_true", help="replace pictures that exist")
     args = ap.parse_args(argv)
+    if pictures is not None and args.png is not None:
+        for written in pictures(args.png, args.overwrite):
+            print(written)
+        return 0
     path = args.write or args.check
     if path is None:
         print_all()

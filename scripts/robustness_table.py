@@ -16,8 +16,10 @@ where the measurements ran at different commits). Only the tables of what was me
 ``python scripts/robustness_table.py`` prints every suite's tables; ``--write README.md``
 replaces the text between ``<!-- robustness:SUITE -->`` and ``<!-- /robustness:SUITE -->``;
 ``--check README.md`` exits 1 when those blocks differ from the measurements (the tests run
-it). Members are listed in the suite's order (``benchmarks/suites/SUITE/suite.yaml`` or the
-shipped preset), seeds in order.
+it); ``--png DIR`` draws each suite's pictures into ``DIR/SUITE/`` (accuracy against eps under
+untargeted PGD with each model's own loss, against each shift's magnitude). Members are listed
+in the suite's order (``benchmarks/suites/SUITE/suite.yaml`` or the shipped preset), seeds in
+order.
 """
 
 from __future__ import annotations
@@ -283,6 +285,45 @@ def render(text: str, root: Path | None = None) -> str:
     return _BLOCK.sub(one, text)
 
 
+def plotted(suite_folder: Path) -> tuple[list[Any], list[str]]:
+    """One result per measured checkpoint for the pictures, and its label (``member, seed N``):
+    its untargeted PGD attacks with its own loss, and the shifts of every sweep it had."""
+    from capsctl.robustness.api import RobustnessResult
+
+    results, labels = [], []
+    for member, seed, folder in checkpoints(suite_folder):
+        found = {k: _result(folder, k) for k in ("attacks", "rotate", "translate", "affine")}
+        docs = [d for d in found.values() if d is not None]
+        if not docs:
+            continue
+        r = RobustnessResult.from_dict(found["attacks"] or docs[0])
+        r.attacks = [a for a in r.attacks if a.attack == "pgd" and not a.targeted]
+        r.shifts = [
+            p
+            for d in docs
+            if d is not found["attacks"]
+            for p in RobustnessResult.from_dict(d).shifts
+        ]
+        results.append(r)
+        labels.append(f"{member}, seed {seed}")
+    return results, labels
+
+
+def pictures(out: Path, overwrite: bool = False, root: Path | None = None) -> list[Path]:
+    """Every suite's pictures (of ``root``, by default benchmarks/robustness/), each suite in
+    its own folder of ``out``."""
+    from capsctl.robustness.plot import plot_robustness
+
+    written: list[Path] = []
+    for folder in sorted(p for p in (MEASURED if root is None else root).glob("*") if p.is_dir()):
+        results, labels = plotted(folder)
+        if results:
+            written += plot_robustness(
+                results, out / folder.name, overwrite=overwrite, labels=labels
+            )
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     def print_all() -> None:
         for folder in sorted(p for p in MEASURED.glob("*") if p.is_dir()):
@@ -296,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         script="robustness_table.py",
         render=render,
         print_all=print_all,
+        pictures=pictures,
     )
 
 

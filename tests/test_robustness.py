@@ -354,3 +354,21 @@ def test_each_attack_and_shift_carries_its_own_wall_time(
     assert [r.rsplit(",", 1)[1] for r in rows[1:]] == ["", "1.500", "1.500", "1.500", "1.500"]
     main(args)
     assert "seconds" in capsys.readouterr().out
+
+
+def test_a_result_reads_back_from_its_json_also_from_an_older_capsctl(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    from capsctl.robustness.api import RobustnessResult
+
+    res = robustness_checkpoint(
+        tiny_checkpoint(), eps=(EPS,), steps=2, shift="rotate", magnitudes=(0.0, 15.0),
+        limit=8, device="cpu",
+    )  # fmt: skip
+    doc = json.loads(json.dumps(res.to_dict()))
+    assert RobustnessResult.from_dict(doc) == res
+    for item in doc["attacks"] + doc["shifts"]:  # written before settings were timed
+        del item["seconds"]
+    old = RobustnessResult.from_dict(doc | {"written_by": "a later capsctl"})
+    assert [a.seconds for a in old.attacks] == [0.0, 0.0]
+    assert [a.accuracy for a in old.attacks] == [a.accuracy for a in res.attacks]

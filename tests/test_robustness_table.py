@@ -19,14 +19,19 @@ def _script():  # type: ignore[no-untyped-def]
 
 def _doc(clean: float, **parts: Any) -> str:
     result = {"dataset": "cifar10[test-lossless-1k]", "count": 1000, "clean_accuracy": clean}
-    result["loss_name"] = "margin"
-    result |= {"attacks": [], "shifts": [], "mean_corruption_accuracy": None} | parts
+    result |= {"checkpoint": "c.safetensors", "model": "capsnet/dynamic", "loss_name": "margin"}
+    result |= {"flip": True, "seed": 0, "steps": 10, "pgd_step": "2.5 * eps / 10 (Madry et al.)"}
+    result |= {"attacks": [], "shifts": [], "corruptions": [], "mean_corruption_accuracy": None}
+    result |= parts
     return json.dumps({"results": [result], "pictures": []})
 
 
-def _attack(name: str, eps: float, accuracy: float, success: float) -> dict[str, Any]:
-    return {"attack": name, "eps": eps / 255, "targeted": False, "accuracy": accuracy,
-            "success_rate": success}  # fmt: skip
+def _attack(
+    name: str, eps: float, accuracy: float, success: float, targeted: bool = False
+) -> dict[str, Any]:
+    # as an older capsctl wrote it: no "seconds"
+    return {"attack": name, "eps": eps / 255, "targeted": targeted, "accuracy": accuracy,
+            "success_rate": success, "correct_before": 900, "count": 1000}  # fmt: skip
 
 
 def _measured(root: Path) -> Path:
@@ -43,9 +48,11 @@ def _measured(root: Path) -> Path:
     (cnn / "provenance.json").write_text(json.dumps(prov))
     attacks = [_attack("pgd", 8, 0.01, 0.99), _attack("fgsm", 8, 0.2, 0.78)]
     attacks += [_attack("fgsm", 2, 0.5, 0.45), _attack("pgd", 2, 0.3, 0.66)]
+    attacks += [_attack("pgd", 8, 0.0, 1.0, targeted=True)]
     (cnn / "attacks.json").write_text(_doc(0.9, attacks=attacks))
     (cnn / "corruptions.json").write_text(_doc(0.9, mean_corruption_accuracy=0.6543))
-    turns = [{"shift": "rotate", "magnitude": m, "accuracy": a} for m, a in ((0, 0.9), (30, 0.5))]
+    turns = [{"shift": "rotate", "magnitude": m, "accuracy": a, "count": 1000}
+             for m, a in ((0, 0.9), (30, 0.5))]  # fmt: skip
     (cnn / "rotate.json").write_text(_doc(0.9, shifts=turns))
     (dyn / "attacks.json").write_text(_doc(0.88, attacks=[_attack("fgsm", 8, 0.25, 0.72)]))
     cw = [_attack("pgd", 8, 0.0, 1.0), _attack("pgd", 4, 0.05, 0.94)]
@@ -181,3 +188,32 @@ def test_a_checkpoint_folder_without_a_known_measurement_is_refused(
         (folder / name).write_text(_doc(0.9))
     with pytest.raises(SystemExit, match=message):
         _script().table(folder.parents[1])
+
+
+def test_pictures_of_each_suite_with_a_label_per_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    script = _script()
+    suite = _measured(tmp_path / "measured")
+    results, labels = script.plotted(suite)
+    assert labels == ["dynamic, seed 2", "cnn, seed 0"]  # the suite's order
+    dyn, cnn = results
+    # untargeted PGD only (the targeted one and FGSM are left out), the rotation sweep joined in
+    assert [(a.attack, round(a.eps * 255), a.targeted) for a in cnn.attacks] == [
+        ("pgd", 8, False),
+        ("pgd", 2, False),
+    ]
+    assert [(p.shift, p.magnitude, p.accuracy) for p in cnn.shifts] == [
+        ("rotate", 0, 0.9),
+        ("rotate", 30, 0.5),
+    ]
+    assert dyn.attacks == [] and dyn.shifts == []  # its attacks.json had FGSM only
+    out = tmp_path / "pictures"
+    written = script.pictures(out, root=suite.parent)
+    assert sorted(p.relative_to(out).as_posix() for p in written) == [
+        "cifar10-fast-cpu/accuracy-vs-eps.png",
+        "cifar10-fast-cpu/accuracy-vs-rotate.png",
+    ]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    with pytest.raises(Exception, match="exists"):
+        script.pictures(out, root=suite.parent)  # never replaced unless told
+    assert script.pictures(out, overwrite=True, root=suite.parent) == written

@@ -120,6 +120,20 @@ class RobustnessResult:
             doc[key] = [item.to_dict() for item in doc[key]]
         return doc
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RobustnessResult:
+        """The result :meth:`to_dict` (or ``capsctl robustness --json``) wrote; fields a newer
+        capsctl added take their defaults in an older measurement, unknown ones are ignored."""
+        parts = {"attacks": AttackPoint, "shifts": ShiftPoint, "corruptions": CorruptionRow}
+        known = {k: v for k, v in doc.items() if k in cls.__dataclass_fields__}
+        for key, kind in parts.items():
+            known[key] = [_known(kind, item) for item in doc.get(key, [])]
+        return cls(**known)
+
+
+def _known(kind: Any, item: dict[str, Any]) -> Any:
+    return kind(**{k: v for k, v in item.items() if k in kind.__dataclass_fields__})
+
 
 @dataclass
 class _Setup:

@@ -34,7 +34,9 @@ def _label(result: RobustnessResult, many: bool) -> str:
     return Path(result.checkpoint).parent.name + "/" + Path(result.checkpoint).name if many else ""
 
 
-def _draw(results: Sequence[RobustnessResult], key: str) -> bytes:
+def _draw(
+    results: Sequence[RobustnessResult], key: str, labels: Sequence[str] | None = None
+) -> bytes:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -44,8 +46,8 @@ def _draw(results: Sequence[RobustnessResult], key: str) -> bytes:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     many = len(results) > 1
-    for r in results:
-        name = _label(r, many)
+    for i, r in enumerate(results):
+        name = _label(r, many) if labels is None else labels[i]
         if key == "eps":
             for attack in sorted({p.attack for p in r.attacks}):
                 pts = [p for p in r.attacks if p.attack == attack]
@@ -69,9 +71,16 @@ def _draw(results: Sequence[RobustnessResult], key: str) -> bytes:
 
 
 def plot_robustness(
-    results: Sequence[RobustnessResult], folder: str | Path, *, overwrite: bool = False
+    results: Sequence[RobustnessResult],
+    folder: str | Path,
+    *,
+    overwrite: bool = False,
+    labels: Sequence[str] | None = None,
 ) -> list[Path]:
-    """Write the pictures of :func:`plot_files` into ``folder`` (created if missing)."""
+    """Write the pictures of :func:`plot_files` into ``folder`` (created if missing); each
+    result's curves are named by ``labels`` (default: the checkpoint, when there are several)."""
+    if labels is not None and len(labels) != len(results):
+        raise ValueError(f"{len(labels)} labels for {len(results)} results")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise CapsctlError(f"--png {folder}: not a folder; give a folder for the pictures")
@@ -81,5 +90,5 @@ def plot_robustness(
         check_output(path, inputs=inputs, overwrite=overwrite)
     folder.mkdir(parents=True, exist_ok=True)
     for key, path in files.items():
-        write_atomic(path, _draw(results, key), overwrite=overwrite)
+        write_atomic(path, _draw(results, key, labels), overwrite=overwrite)
     return list(files.values())
