@@ -383,3 +383,46 @@ def test_a_run_records_the_commit_it_started_with(
     )
     doc = json.loads((tmp_path / "out/dynamic/seed-0/provenance.json").read_text())
     assert [t["commit"] for t in doc["trained_by"]] == ["started-here"]
+
+
+def test_report_pictures_with_error_bars_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from capsctl.suites import plot
+
+    suite_file = tmp_path / "s.yaml"
+    suite_file.write_text(
+        "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n  - name: caps\n"
+        "  - name: cnn\n    set: [model=mnist-cnn]\n    budget: matched\n"
+    )
+    runs = tmp_path / "runs"
+    fake_finished_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)}, checkpoints=False)
+    fake_finished_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)}, checkpoints=False)
+    fake_finished_run(runs / "cnn/seed-0", 50.0, {"t1": (0.60, 200)}, checkpoints=False)
+    pics = tmp_path / "pics"
+    args = ["suite", "report", str(runs), "--suite", str(suite_file), "--no-score",
+            "--png", str(pics), "--json"]  # fmt: skip
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["png"] == [
+        str(pics / "s-accuracy-vs-params.png"),
+        str(pics / "s-accuracy-vs-gflops.png"),
+    ]
+    assert all(Path(p).read_bytes().startswith(b"\x89PNG") for p in doc["png"])
+    caps, cnn = plot.points(doc, "params")
+    assert caps.label == "caps" and caps.top1 == pytest.approx(80.0)
+    assert caps.std == pytest.approx(100 * math.sqrt(0.005)) and caps.x == doc["rows"][0]["params"]
+    assert cnn.label == f"cnn ({doc['rows'][1]['epochs']:.1f} epochs, matched time)"
+    assert cnn.std == 0.0  # one seed: no bar
+
+    def no_work(*a: object, **k: object) -> None:
+        raise AssertionError("scored before refusing the pictures")
+
+    monkeypatch.setattr("capsctl.suites.report_suite", no_work)
+    code, _, err = run_cli(capsys, args)
+    assert code == 2 and "already exists" in err and "--overwrite" in err
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(capsys, [*args[:-3], "--png", str(tmp_path / "file"), "--json"])
+    assert code == 2 and "not a folder" in err

@@ -178,6 +178,10 @@ def report_cmd(
     if json_out and csv_out:
         raise UsageError("--json and --csv exclude each other")
     spec = load_suite(_suite_of(folders, suite))
+    if png is not None:  # refused before any scoring
+        from capsctl.suites.plot import check_plot_files
+
+        check_plot_files(spec.name, png, overwrite=overwrite)
     settings = None
     if robustness:
         from capsctl.suites.robust import RobustSettings
