@@ -67,3 +67,38 @@ def test_the_block_check_finds_a_block_left_open() -> None:
     text = "<!-- results:a -->\nx\n<!-- robustness:b -->\n<!-- /robustness:b -->\n"
     with pytest.raises(AssertionError, match="opens inside"):
         _blocks(text)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _broken_links(text: str, root: Path) -> list[str]:
+    """The README's local links and pictures that lead nowhere: a missing file or an anchor
+    no heading has."""
+    anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        if path and not (root / path).exists():
+            broken.append(target)
+        elif not path and anchor not in anchors:
+            broken.append(target)
+    return broken
+
+
+def test_every_local_link_and_picture_leads_somewhere() -> None:
+    assert _broken_links(README, ROOT) == []
+
+
+def test_a_broken_link_or_picture_is_found(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs/a.png").write_bytes(b"")
+    text = (
+        "## Set-up and more\n![ok](docs/a.png) ![gone](docs/b.png) [x](#set-up-and-more) "
+        "[y](#nowhere) [web](https://example.org/z)\n"
+    )
+    assert _broken_links(text, tmp_path) == ["docs/b.png", "#nowhere"]

@@ -68,10 +68,14 @@ def _draw(doc: dict[str, Any], key: str, axis: str) -> bytes:
     fig = Figure(figsize=(6, 4.2), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for p in points(doc, key):
+    found = points(doc, key)
+    for p in found:
         ax.errorbar(p.x, p.top1, yerr=p.std, fmt="o", capsize=4)
         ax.annotate(p.label, (p.x, p.top1), textcoords="offset points", xytext=(6, -3), fontsize=8)
     ax.set_xscale("log")
+    if found:  # room on the right for the labels (about a decade on a log axis)
+        xs = [p.x for p in found]
+        ax.set_xlim(min(xs) / 1.6, max(xs) * (12 if max(xs) / min(xs) > 3 else 6))
     ax.set_xlabel(axis)
     ax.set_ylabel(f"top-1 % ({doc['tests'][0]})")
     ax.set_title(f"suite {doc['suite']}: mean ± std over seeds")
