@@ -83,9 +83,7 @@ def _broken_links(text: str, root: Path) -> list[str]:
         if re.match(r"[a-z]+:", target):
             continue  # http(s), mailto
         path, _, anchor = target.partition("#")
-        if path and not (root / path).exists():
-            broken.append(target)
-        elif not path and anchor not in anchors:
+        if (path and not (root / path).exists()) or (not path and anchor not in anchors):
             broken.append(target)
     return broken
 

@@ -372,3 +372,55 @@ def test_a_result_reads_back_from_its_json_also_from_an_older_capsctl(
     old = RobustnessResult.from_dict(doc | {"written_by": "a later capsctl"})
     assert [a.seconds for a in old.attacks] == [0.0, 0.0]
     assert [a.accuracy for a in old.attacks] == [a.accuracy for a in res.attacks]
+
+
+def test_an_interrupted_measurement_resumes_from_its_resume_file(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import capsctl.robustness.api as api
+    from capsctl.errors import UsageError
+    from capsctl.robustness.run import run_robustness
+
+    ckpt, kept = tiny_checkpoint(), tmp_path / "kept.jsonl"
+    options = {"eps": (EPS, 2 * EPS), "steps": 2, "shift": "rotate", "magnitudes": (0.0, 15.0),
+               "limit": 8, "device": "cpu"}  # fmt: skip
+
+    def numbers(res: api.RobustnessResult) -> list[tuple[object, ...]]:
+        return [(p.attack, p.eps, p.accuracy, p.success_rate) for p in res.attacks] + [
+            (p.shift, p.magnitude, p.accuracy) for p in res.shifts
+        ]
+
+    whole = robustness_checkpoint(ckpt, **options)
+    real, calls = api._attack_point, []
+
+    def counted(*args: object, **kwargs: object) -> api.AttackPoint:
+        calls.append(args[1:3])
+        if interrupt and len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_attack_point", counted)
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        run_robustness([ckpt], resume_file=kept, **options)
+    interrupt, calls[:] = False, []
+    with kept.open("a") as f:
+        f.write('{"checkpoint": {"path": ')  # the line a kill cut short
+    again = run_robustness([ckpt], resume_file=kept, **options).results[0]
+    assert calls == [("fgsm", 2 * EPS), ("pgd", EPS), ("pgd", 2 * EPS)]  # the first one kept
+    assert numbers(again) == numbers(whole)
+    calls[:] = []
+    assert numbers(run_robustness([ckpt], resume_file=kept, **options).results[0]) == numbers(whole)
+    assert calls == []  # everything kept, shifts included
+    run_robustness([ckpt], resume_file=kept, **(options | {"steps": 3}))
+    assert calls == [("fgsm", EPS), ("fgsm", 2 * EPS), ("pgd", EPS), ("pgd", 2 * EPS)]
+    calls[:] = []
+    stat = ckpt.stat()
+    os.utime(ckpt, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # retrained in place
+    run_robustness([ckpt], resume_file=kept, **options)
+    assert len(calls) == 4
+    (tmp_path / "other.txt").write_text("hello\n")
+    with pytest.raises(UsageError, match="not a file of finished robustness settings"):
+        run_robustness([ckpt], resume_file=tmp_path / "other.txt", **options)
+    with pytest.raises(UsageError, match="is the input"):
+        run_robustness([ckpt], resume_file=ckpt, **options)

@@ -72,6 +72,14 @@ def robustness_cmd(
         Path | None, typer.Option("--png", help="Folder for accuracy-vs-eps/shift pictures.")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing pictures.")] = False,
+    resume_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume-file",
+            help="Keep each finished setting in this file; a rerun with it measures only the "
+            "settings missing there (a Ctrl-C loses at most the one in progress).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print CSV rows.")] = False,
 ) -> None:
@@ -89,6 +97,7 @@ def robustness_cmd(
             [str(c) for c in ckpts],
             png=png,
             overwrite=overwrite,
+            resume_file=resume_file,
             on_event=on_event,
             attacks=_attacks(attack, shift, corruptions),
             eps=_numbers("--eps", eps) or [],

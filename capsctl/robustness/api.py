@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from capsctl.robustness.attacks import (
     run_attack,
 )
 from capsctl.robustness.shifts import DEFAULT_MAGNITUDES, SHIFTS
+from capsctl.robustness.store import PointStore, fingerprint
 
 __all__ = [
     "DEFAULT_EPS",
@@ -239,21 +240,24 @@ def _attack_point(
 
 
 def _shift_points(
-    s: _Setup, kind: str, magnitudes: Sequence[float], seed: int, on_event: EventFn
+    s: _Setup, kind: str, magnitudes: Sequence[float], seed: int, on_event: EventFn, keep: _Keep
 ) -> list[ShiftPoint]:
     from capsctl.robustness.shifts import affnist_set, shifted_set
 
-    points = []
     digits = _affine_digits(s) if kind == "affine" else s.test
-    for m in magnitudes:
+
+    def one(m: float) -> ShiftPoint:
         t0 = time.perf_counter()
         if kind == "affine":
             ds = affnist_set(digits, seed, m)
         else:
             ds = shifted_set(digits, kind, m, seed)
         accuracy = _accuracy(s, ds, f"{kind} {m:g}", on_event)
-        points.append(ShiftPoint(kind, m, accuracy, len(ds), time.perf_counter() - t0))
-    return points
+        return ShiftPoint(kind, m, accuracy, len(ds), time.perf_counter() - t0)
+
+    return [
+        keep({"shift": kind, "magnitude": m}, ShiftPoint, lambda m=m: one(m)) for m in magnitudes
+    ]
 
 
 def _affine_digits(s: _Setup) -> ArrayDataset:
@@ -274,15 +278,16 @@ def _affine_digits(s: _Setup) -> ArrayDataset:
     return digits.subset(torch.arange(len(s.test)))
 
 
-def _corruption_rows(s: _Setup, seed: int, on_event: EventFn) -> list[CorruptionRow]:
+def _corruption_rows(s: _Setup, seed: int, on_event: EventFn, keep: _Keep) -> list[CorruptionRow]:
     try:
         from capsctl.robustness.corruptions import CORRUPTIONS, SUBSTITUTES, corrupt_images
     except ImportError as e:
         raise CapsctlError(
             f"--corruptions needs scipy ({e}); pip install 'capsctl[robustness]'"
         ) from None
-    rows, images = [], s.test.images.numpy()
-    for name in CORRUPTIONS:
+    images = s.test.images.numpy()
+
+    def one(name: str) -> CorruptionRow:
         t0, accs = time.perf_counter(), []
         for severity in range(1, 6):
             bad = torch.from_numpy(corrupt_images(images, name, severity, seed))
@@ -290,8 +295,34 @@ def _corruption_rows(s: _Setup, seed: int, on_event: EventFn) -> list[Corruption
             accs.append(_accuracy(s, ds, f"{name} {severity}", on_event))
         star = name in SUBSTITUTES
         label = name + ("*" if star else "")
-        rows.append(CorruptionRow(label, accs, sum(accs) / 5, star, time.perf_counter() - t0))
-    return rows
+        return CorruptionRow(label, accs, sum(accs) / 5, star, time.perf_counter() - t0)
+
+    return [keep({"corruption": n}, CorruptionRow, lambda n=n: one(n)) for n in CORRUPTIONS]
+
+
+#: ``keep(setting, kind, measure)``: a setting's point, from the store or measured (and kept).
+_Keep = Callable[[dict[str, Any], Any, Callable[[], Any]], Any]
+
+
+def _keeper(store: PointStore | None, path: str | Path, s: _Setup, seed: int) -> _Keep:
+    """The ``keep`` of one checkpoint: every setting is qualified by what else changes its
+    numbers (the images, the batches PGD's random starts are drawn in, the device, the seed)."""
+    if store is None:
+        return lambda setting, kind, measure: measure()
+    checkpoint = fingerprint(path)
+    common = {"count": len(s.test), "batch_size": s.batch_size, "seed": seed}
+    common |= {"device": s.device.type, "flip": s.model.flip}
+
+    def keep(setting: dict[str, Any], kind: Any, measure: Callable[[], Any]) -> Any:
+        full = setting | common
+        found = store.get(checkpoint, full)
+        if found is not None:
+            return _known(kind, found)
+        point = measure()
+        store.put(checkpoint, full, point.to_dict())
+        return point
+
+    return keep
 
 
 def _check_options(attacks: Sequence[str], eps: Sequence[float], steps: int, shift: str | None,
@@ -330,12 +361,16 @@ def robustness_checkpoint(
     seed: int = 0,
     loss: str = "own",
     on_event: EventFn = None,
+    store: PointStore | None = None,
 ) -> RobustnessResult:
     """Score one checkpoint (see the module docstring); ``attacks=()`` skips the attacks;
-    ``loss="cw"`` attacks Carlini and Wagner's margin instead of the model's own loss."""
+    ``loss="cw"`` attacks Carlini and Wagner's margin instead of the model's own loss. With
+    ``store``, each setting found there is taken from it and each one measured is kept in it
+    (:mod:`capsctl.robustness.store`)."""
     _check_options(attacks, eps, steps, shift, limit, batch_size, loss)
     t0 = time.perf_counter()
     s = _load(path, data_dir, device, limit, batch_size, loss)
+    keep = _keeper(store, path, s, seed)
     if targeted and s.test.labels.dim() == 2:
         raise UsageError(f"{path}: --targeted needs one label per image (this data is multi-label)")
     m = s.preset.model
@@ -353,12 +388,18 @@ def robustness_checkpoint(
     )
     for attack in attacks:
         for e in eps:
-            result.attacks.append(_attack_point(s, attack, e, targeted, steps, seed, on_event))
+            setting = {"attack": attack, "eps": e, "targeted": targeted, "steps": steps}
+            setting["loss"] = s.loss_name
+            point = keep(
+                setting, AttackPoint,
+                lambda a=attack, e=e: _attack_point(s, a, e, targeted, steps, seed, on_event),
+            )  # fmt: skip
+            result.attacks.append(point)
     if shift is not None:
         mags = DEFAULT_MAGNITUDES[shift] if magnitudes is None else tuple(magnitudes)
-        result.shifts = _shift_points(s, shift, mags, seed, on_event)
+        result.shifts = _shift_points(s, shift, mags, seed, on_event, keep)
     if corruptions:
-        result.corruptions = _corruption_rows(s, seed, on_event)
+        result.corruptions = _corruption_rows(s, seed, on_event, keep)
         result.mean_corruption_accuracy = sum(r.mean for r in result.corruptions) / len(
             result.corruptions
         )

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.atomic import check_output
+from capsctl.atomic import check_output, same_file
 from capsctl.errors import UsageError
 from capsctl.events import EventFn
 from capsctl.provenance import provenance
 from capsctl.robustness.api import RobustnessResult, robustness_checkpoint
 from capsctl.robustness.plot import plot_robustness
+from capsctl.robustness.store import PointStore
 
 __all__ = ["RobustnessRun", "run_robustness"]
 
@@ -37,12 +38,14 @@ def run_robustness(
     *,
     png: str | Path | None = None,
     overwrite: bool = False,
+    resume_file: str | Path | None = None,
     on_event: EventFn = None,
     **options: Any,
 ) -> RobustnessRun:
     """:func:`~capsctl.robustness.api.robustness_checkpoint` for each of ``paths`` (with
     ``options``), and with ``png`` the pictures in that folder. Output files that exist are
-    refused before any work unless ``overwrite``."""
+    refused before any work unless ``overwrite``. With ``resume_file``, finished settings are
+    kept there and taken from there (:mod:`capsctl.robustness.store`)."""
     if not paths:
         raise UsageError("give at least one checkpoint or model folder")
     for p in paths:
@@ -57,6 +60,14 @@ def run_robustness(
             names.append(f"accuracy-vs-{options['shift']}.png")
         for name in names:
             check_output(folder / name, inputs=paths, overwrite=overwrite)
-    results = [robustness_checkpoint(p, on_event=on_event, **options) for p in paths]
+    store = None
+    if resume_file is not None:
+        for p in paths:
+            if same_file(resume_file, p):
+                raise UsageError(
+                    f"--resume-file {resume_file} is the input {p}; pick another file name"
+                )
+        store = PointStore(resume_file)
+    results = [robustness_checkpoint(p, on_event=on_event, store=store, **options) for p in paths]
     pictures = plot_robustness(results, png, overwrite=overwrite) if png is not None else []
     return RobustnessRun(results, pictures, provenance())
