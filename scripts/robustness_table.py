@@ -288,7 +288,7 @@ def render(text: str, root: Path | None = None) -> str:
 def plotted(suite_folder: Path) -> tuple[list[Any], list[str]]:
     """One result per measured checkpoint for the pictures, and its label (``member, seed N``):
     its untargeted PGD attacks with its own loss, and the shifts of every sweep it had."""
-    from capsctl.robustness.api import RobustnessResult
+    from capsctl.robustness.results import RobustnessResult
 
     results, labels = [], []
     for member, seed, folder in checkpoints(suite_folder):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,13 @@ from capsctl.robustness.attacks import (
     pgd_step_size,
     run_attack,
 )
+from capsctl.robustness.results import (
+    AttackPoint,
+    CorruptionRow,
+    RobustnessResult,
+    ShiftPoint,
+    from_known_fields,
+)
 from capsctl.robustness.shifts import DEFAULT_MAGNITUDES, SHIFTS
 from capsctl.robustness.store import PointStore, fingerprint
 
@@ -56,84 +63,6 @@ __all__ = [
 ]
 
 DEFAULT_EPS = (1 / 255, 2 / 255, 4 / 255, 8 / 255)
-
-
-@dataclass
-class AttackPoint:
-    attack: str
-    eps: float
-    targeted: bool
-    accuracy: float  # over all images
-    success_rate: float | None  # over the images correct before the attack (None: no such one)
-    correct_before: int
-    count: int
-    seconds: float = 0.0  # wall time of this attack over every image
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-@dataclass
-class ShiftPoint:
-    shift: str
-    magnitude: float
-    accuracy: float
-    count: int
-    seconds: float = 0.0  # wall time of building and scoring this shifted set
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-@dataclass
-class CorruptionRow:
-    name: str  # with a star for a documented substitute (frost*, motion_blur*, snow*)
-    accuracies: list[float]  # severity 1..5
-    mean: float
-    substitute: bool
-    seconds: float = 0.0  # wall time of corrupting and scoring its five severities
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-@dataclass
-class RobustnessResult:
-    checkpoint: str
-    dataset: str
-    model: str  # arch, or capsnet/<router>
-    count: int
-    clean_accuracy: float
-    loss_name: str  # the loss the attacks use (the model's own)
-    flip: bool  # outputs averaged with the mirror image's (attacked and scored alike)
-    seed: int
-    steps: int
-    pgd_step: str
-    attacks: list[AttackPoint] = field(default_factory=list)
-    shifts: list[ShiftPoint] = field(default_factory=list)
-    corruptions: list[CorruptionRow] = field(default_factory=list)
-    mean_corruption_accuracy: float | None = None
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        doc = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for key in ("attacks", "shifts", "corruptions"):
-            doc[key] = [item.to_dict() for item in doc[key]]
-        return doc
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> RobustnessResult:
-        """The result :meth:`to_dict` (or ``capsctl robustness --json``) wrote; fields a newer
-        capsctl added take their defaults in an older measurement, unknown ones are ignored."""
-        parts = {"attacks": AttackPoint, "shifts": ShiftPoint, "corruptions": CorruptionRow}
-        known = {k: v for k, v in doc.items() if k in cls.__dataclass_fields__}
-        for key, kind in parts.items():
-            known[key] = [_known(kind, item) for item in doc.get(key, [])]
-        return cls(**known)
-
-
-def _known(kind: Any, item: dict[str, Any]) -> Any:
-    return kind(**{k: v for k, v in item.items() if k in kind.__dataclass_fields__})
 
 
 @dataclass
@@ -317,7 +246,7 @@ def _keeper(store: PointStore | None, path: str | Path, s: _Setup, seed: int) ->
         full = setting | common
         found = store.get(checkpoint, full)
         if found is not None:
-            return _known(kind, found)
+            return from_known_fields(kind, found)
         point = measure()
         store.put(checkpoint, full, point.to_dict())
         return point

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from capsctl.atomic import check_output, write_atomic
 from capsctl.errors import CapsctlError
-from capsctl.robustness.api import RobustnessResult
+from capsctl.robustness.results import RobustnessResult
 
 __all__ = ["plot_files", "plot_robustness"]
 

@@ -11,8 +11,9 @@ from capsctl.atomic import check_output, same_file
 from capsctl.errors import UsageError
 from capsctl.events import EventFn
 from capsctl.provenance import provenance
-from capsctl.robustness.api import RobustnessResult, robustness_checkpoint
+from capsctl.robustness.api import robustness_checkpoint
 from capsctl.robustness.plot import plot_robustness
+from capsctl.robustness.results import RobustnessResult
 from capsctl.robustness.store import PointStore
 
 __all__ = ["RobustnessRun", "run_robustness"]
