@@ -62,7 +62,10 @@ def _draw(
     unit = {"eps": "eps (x 1/255)", "rotate": "rotation (degrees)", "translate": "pixels"}
     ax.set_xlabel(unit.get(key, "share of affNIST's ranges"))
     ax.set_ylabel("accuracy (%)")
-    ax.set_title("accuracy against " + ("eps" if key == "eps" else key))
+    titles = {"eps": "accuracy against the attack's radius", "rotate": "accuracy against rotation",
+              "translate": "accuracy against translation",
+              "affine": "accuracy on affNIST-style sets"}  # fmt: skip
+    ax.set_title(titles.get(key, f"accuracy against {key}"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     buf = io.BytesIO()
