@@ -235,11 +235,13 @@ _Keep = Callable[[dict[str, Any], Any, Callable[[], Any]], Any]
 
 def _keeper(store: PointStore | None, path: str | Path, s: _Setup, seed: int) -> _Keep:
     """The ``keep`` of one checkpoint: every setting is qualified by what else changes its
-    numbers (the images, the batches PGD's random starts are drawn in, the device, the seed)."""
+    numbers (the test set and its size, the batches PGD's random starts are drawn in, the device,
+    the seed, flip averaging)."""
     if store is None:
         return lambda setting, kind, measure: measure()
     checkpoint = fingerprint(path)
-    common = {"count": len(s.test), "batch_size": s.batch_size, "seed": seed}
+    common = {"dataset": s.test.name, "count": len(s.test), "batch_size": s.batch_size}
+    common |= {"seed": seed}
     common |= {"device": s.device.type, "flip": s.model.flip}
 
     def keep(setting: dict[str, Any], kind: Any, measure: Callable[[], Any]) -> Any:
