@@ -4,7 +4,7 @@ plain dict ``--json`` writes and back (:meth:`RobustnessResult.from_dict`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["AttackPoint", "CorruptionRow", "RobustnessResult", "ShiftPoint", "from_known_fields"]
@@ -22,7 +22,7 @@ class AttackPoint:
     seconds: float = 0.0  # wall time of this attack over every image
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class ShiftPoint:
     seconds: float = 0.0  # wall time of building and scoring this shifted set
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class CorruptionRow:
     seconds: float = 0.0  # wall time of corrupting and scoring its five severities
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
 
 @dataclass
@@ -68,10 +68,7 @@ class RobustnessResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        doc = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for key in ("attacks", "shifts", "corruptions"):
-            doc[key] = [item.to_dict() for item in doc[key]]
-        return doc
+        return asdict(self)  # the points and rows too, as plain dicts
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> RobustnessResult:
