@@ -13,7 +13,16 @@ from typing import Any
 from capsctl.atomic import check_output, write_atomic
 from capsctl.errors import CapsctlError, UsageError
 
-__all__ = ["AXES", "Point", "check_plot_files", "plot_files", "points", "suite_plot"]
+__all__ = [
+    "AXES",
+    "Point",
+    "check_plot_files",
+    "label_offsets",
+    "plot_files",
+    "points",
+    "spread",
+    "suite_plot",
+]
 
 #: (report key, axis label) of each picture; both axes are logarithmic.
 AXES = (("params", "parameters"), ("gflops", "GFLOPs per image"))
@@ -59,6 +68,49 @@ def points(doc: dict[str, Any], key: str) -> list[Point]:
     return found
 
 
+def spread(targets: list[float], gap: float) -> list[float]:
+    """Positions as close as possible (least squares) to ``targets`` that keep their order and
+    are at least ``gap`` apart: with ``u_i = p_i - i * gap`` over the sorted targets the
+    constraint is ``u`` non-decreasing, solved by pooling adjacent violators."""
+    order = sorted(range(len(targets)), key=lambda i: targets[i])
+    blocks: list[list[float]] = []  # [mean of u, count]
+    for rank, i in enumerate(order):
+        blocks.append([targets[i] - rank * gap, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    placed = [m for m, n in blocks for _ in range(int(n))]
+    out = [0.0] * len(targets)
+    for rank, i in enumerate(order):
+        out[i] = placed[rank] + rank * gap
+    return out
+
+
+def label_offsets(xy: list[tuple[float, float]], widths: list[float], gap: float) -> list[float]:
+    """Vertical offsets (display units) that keep the labels at the points ``xy`` (display
+    units, each label starting just right of its point and ``widths`` wide) at least ``gap``
+    apart wherever one label reaches over the other's point horizontally."""
+    group = list(range(len(xy)))  # union-find over points whose labels could touch
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i in range(len(xy)):
+        for j in range(i):
+            left = i if xy[i][0] <= xy[j][0] else j
+            if abs(xy[i][0] - xy[j][0]) < widths[left]:
+                group[root(i)] = root(j)
+    offsets = [0.0] * len(xy)
+    for r in {root(i) for i in range(len(xy))}:
+        members = [i for i in range(len(xy)) if root(i) == r]
+        moved = spread([xy[i][1] for i in members], gap)
+        for i, y in zip(members, moved, strict=True):
+            offsets[i] = y - xy[i][1]
+    return offsets
+
+
 def _draw(doc: dict[str, Any], key: str, axis: str) -> bytes:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -71,7 +123,6 @@ def _draw(doc: dict[str, Any], key: str, axis: str) -> bytes:
     found = points(doc, key)
     for p in found:
         ax.errorbar(p.x, p.top1, yerr=p.std, fmt="o", capsize=4)
-        ax.annotate(p.label, (p.x, p.top1), textcoords="offset points", xytext=(6, -3), fontsize=8)
     ax.set_xscale("log")
     if found:  # room on the right for the labels (about a decade on a log axis)
         xs = [p.x for p in found]
@@ -80,7 +131,17 @@ def _draw(doc: dict[str, Any], key: str, axis: str) -> bytes:
     ax.set_ylabel(f"top-1 % ({doc['tests'][0]})")
     ax.set_title(f"suite {doc['suite']}: mean ± std over seeds")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout()  # before the labels are placed: it moves the axes
+    # In points (72 an inch): labels 8 pt high, at least 10 pt apart where one would reach over
+    # another (a character of an 8 pt font is at most about 5 pt wide, plus the 8 pt offset).
+    pt = fig.dpi / 72
+    xy = [tuple(ax.transData.transform((p.x, p.top1))) for p in found]
+    widths = [8.0 + 5.0 * len(p.label) for p in found]
+    dys = label_offsets([(x / pt, y / pt) for x, y in xy], widths, gap=10.0)
+    for p, dy in zip(found, dys, strict=True):
+        line = {"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if abs(dy) > 4 else None
+        ax.annotate(p.label, (p.x, p.top1), textcoords="offset points", xytext=(8, dy - 3),
+                    fontsize=8, arrowprops=line)  # fmt: skip
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
