@@ -40,6 +40,12 @@ def _cell(row: dict) -> str:
     return f"{_pct(row['top1_mean'])}{std}{se}"
 
 
+def _spent(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def table(path: Path) -> str:
     """A markdown table of one results file: a row per member, a column per test set."""
     rows = read_results(path)
@@ -97,9 +103,13 @@ def table(path: Path) -> str:
     if machines:
         where = "; ".join(f"{cpu} ({cores} cores), torch {torch}" for cpu, cores, torch in machines)
         which = ", ".join(f"{c} ({', '.join(m)})" for c, m in commits.items())
+        firsts = {r["member"]: r for r in reversed(done)}.values()  # one row per member
+        spent = sum((r["wall_s"] or 0.0) * r["seeds_run"] for r in firsts)
+        runs = sum(r["seeds_run"] for r in firsts)
         lines += [
             "",
-            f"Trained on {where}; capsctl commits {which}; `capsctl/results/{path.name}`.",
+            f"Trained on {where}, {_spent(spent)} of machine time over {runs} runs (the sum of "
+            f"their wall times); capsctl commits {which}; `capsctl/results/{path.name}`.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -29,6 +29,8 @@ def test_table_of_a_results_file(tmp_path: Path) -> None:
     cnn = next(line for line in lines if line.startswith("| cnn |"))
     assert "| - | 0 |" in cnn
     assert not any(line.startswith("†") for line in lines)
+    # caps's two runs took 20 s on average, cnn has none: 40 s over 2 runs
+    assert ", 40 s of machine time over 2 runs (the sum of their wall times);" in text
 
 
 def test_a_matched_member_is_marked(tmp_path: Path) -> None:

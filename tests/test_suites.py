@@ -175,6 +175,9 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     assert caps.tests["t1"].mean == pytest.approx(0.80)
     assert caps.tests["t1"].std == pytest.approx(math.sqrt(0.005))
     assert caps.wall_s == pytest.approx(20.0) and caps.train_images_per_s == pytest.approx(200.0)
+    assert caps.wall_s_total == pytest.approx(40.0) and cnn.wall_s_total == pytest.approx(50.0)
+    assert report.wall_s_total == pytest.approx(90.0) and report.runs == 3
+    assert report.to_dict()["wall_s_total"] == pytest.approx(90.0)
     assert caps.params and caps.params > 0 and caps.gflops and caps.gflops > 0
     assert caps.published == {"top1": "0.9", "source": "somewhere", "setting": ""}
 
@@ -200,6 +203,24 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not a capsctl results file"):
         read_results(bad)
+
+
+def test_report_sums_the_runs_machine_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_file = tmp_path / "s.yaml"
+    suite_file.write_text(
+        "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n  - name: caps\n"
+    )
+    runs = tmp_path / "runs"
+    fake_finished_run(runs / "caps/seed-0", 5400.0, {"t1": (0.75, 200)}, checkpoints=False)
+    fake_finished_run(runs / "caps/seed-1", 1800.0, {"t1": (0.85, 200)}, checkpoints=False)
+    args = ["suite", "report", str(runs), "--suite", str(suite_file), "--no-score"]
+    code, _, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert "machine time: 2.0 h over 2 runs" in err
+    code, out, err = run_cli(capsys, [*args, "--json"])
+    assert json.loads(out)["wall_s_total"] == pytest.approx(7200.0)
 
 
 def test_report_refuses_a_folder_without_its_suite(

@@ -92,7 +92,8 @@ class MemberRow:
     params: int | None = None
     gflops: float | None = None
     epochs: float | None = None
-    wall_s: float | None = None
+    wall_s: float | None = None  # mean over the finished runs
+    wall_s_total: float | None = None  # their sum: the member's machine time
     train_images_per_s: float | None = None
     budget: str = "epochs"
     published: dict[str, str] | None = None
@@ -121,6 +122,16 @@ class SuiteReport:
     #: What the report could not include (a pair left out of a test file, and why).
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def wall_s_total(self) -> float | None:
+        """The machine time of every finished run together (the sum of their wall times)."""
+        totals = [r.wall_s_total for r in self.rows if r.wall_s_total is not None]
+        return sum(totals) if totals else None
+
+    @property
+    def runs(self) -> int:
+        return sum(len(r.seeds_done) for r in self.rows)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "suite": self.suite,
@@ -128,6 +139,8 @@ class SuiteReport:
             "description": self.description,
             "tests": self.tests,
             "rows": [r.to_dict() for r in self.rows],
+            "runs": self.runs,
+            "wall_s_total": self.wall_s_total,
             "notes": self.notes,
         }
 
@@ -239,6 +252,7 @@ def report_suite(
                 gflops=gflops,
                 epochs=_mean(epochs),
                 wall_s=_mean(walls),
+                wall_s_total=sum(walls) if walls else None,
                 train_images_per_s=_mean(speeds),
                 budget=member.budget,
                 published=None if member.published is None else asdict(member.published),

@@ -125,6 +125,10 @@ def print_suite_report(doc: dict[str, Any]) -> None:
                 "corruptions: mean over CIFAR-10-C's 15 corruptions x 5 severities"
             )
         )
+    if doc.get("wall_s_total") is not None:
+        total = doc["wall_s_total"]
+        spent = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
+        err.print(Text(f"machine time: {spent} over {doc['runs']} runs (their wall times)"))
     err.print(
         Text(
             "std: over seeds (ddof 1); se: its standard error; one run's sampling error from "
