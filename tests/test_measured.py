@@ -60,6 +60,7 @@ def test_compare_suite_reads_the_packages_results_file(
     code, out, err = run_cli(capsys, ["compare", "--suite", str(runs / "suite.yaml")])
     assert code == 0, err
     assert "80.00 ± 7.07 (2)" in out and "measured:" in err
+    assert " accuracy " not in out  # no checkpoint scored: no column of "-" beside it
 
 
 def test_compare_an_unknown_suite_names_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:

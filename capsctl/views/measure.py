@@ -93,7 +93,7 @@ def footer_lines(report: Any) -> list[str]:
     return [footer_line(r) for r in report.ratios]
 
 
-def _compare_row(r: Any, speed: bool, measured: bool = False) -> list[Any]:
+def _compare_row(r: Any, speed: bool, measured: bool = False, scored: bool = True) -> list[Any]:
     row = [
         r.name,
         fmt_int(r.params["total"]),
@@ -109,7 +109,8 @@ def _compare_row(r: Any, speed: bool, measured: bool = False) -> list[Any]:
             "-" if r.infer_images_per_s is None else f"{r.infer_images_per_s:.1f}",
             fmt_bytes(r.peak_memory_bytes),
         ]
-    row += [fmt_pct(r.accuracy)]
+    if scored:
+        row += [fmt_pct(r.accuracy)]
     if measured:
         m = r.measured
         if m is None or m.get("top1_mean") is None:
@@ -127,8 +128,12 @@ def print_compare(report: Any, speed: bool) -> None:
     if speed:
         cols += ["train step", "infer img/s", "peak mem"]
     measured = any(r.measured for r in report.rows)
-    cols += ["accuracy", *(["measured % (seeds)"] if measured else []), "published"]
-    body = [_compare_row(r, speed, measured) for r in report.rows]
+    # A checkpoint's accuracy: its column is left out where no row has one and a suite's
+    # measured column is there instead (a column of "-" reads as "not measured").
+    scored = not measured or any(r.accuracy is not None for r in report.rows)
+    cols += [*(["accuracy"] if scored else []), *(["measured % (seeds)"] if measured else [])]
+    cols += ["published"]
+    body = [_compare_row(r, speed, measured, scored) for r in report.rows]
     out.print(table("capsctl compare", cols, body, right=tuple(range(1, len(cols)))))
     for line in footer_lines(report):
         out.print(line)
