@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from capsctl.atomic import write_text_atomic  # noqa: E402
 from capsctl.suites.results_file import read_results  # noqa: E402
+from capsctl.views.common import fmt_duration  # noqa: E402
 
 RESULTS = ROOT / "capsctl" / "results"
 _BLOCK = re.compile(
@@ -38,12 +39,6 @@ def _cell(row: dict) -> str:
     std = "" if row["top1_std"] is None else f" ± {_pct(row['top1_std'])}"
     se = "" if row["top1_se"] is None else f" (se {_pct(row['top1_se'])})"
     return f"{_pct(row['top1_mean'])}{std}{se}"
-
-
-def _spent(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def table(path: Path) -> str:
@@ -108,8 +103,8 @@ def table(path: Path) -> str:
         runs = sum(r["seeds_run"] for r in firsts)
         lines += [
             "",
-            f"Trained on {where}, {_spent(spent)} of machine time over {runs} runs (the sum of "
-            f"their wall times); capsctl commits {which}; `capsctl/results/{path.name}`.",
+            f"Trained on {where}, {fmt_duration(spent)} of machine time over {runs} runs (the sum "
+            f"of their wall times); capsctl commits {which}; `capsctl/results/{path.name}`.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -219,6 +219,9 @@ def test_report_sums_the_runs_machine_time(
     code, _, err = run_cli(capsys, args)
     assert code == 0, err
     assert "machine time: 2.0 h over 2 runs" in err
+    from capsctl.views.common import fmt_duration
+
+    assert [fmt_duration(s) for s in (35.0, 2400.0, 27_720.0)] == ["35 s", "40 min", "7.7 h"]
     code, out, err = run_cli(capsys, [*args, "--json"])
     assert json.loads(out)["wall_s_total"] == pytest.approx(7200.0)
 

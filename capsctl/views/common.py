@@ -99,6 +99,13 @@ def fmt_s(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def fmt_duration(seconds: float) -> str:
+    """A long span, as a person reads it: ``7.7 h``, ``40 min``, ``35 s``."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 

@@ -7,7 +7,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from capsctl.views.common import err, out, styled, table
+from capsctl.views.common import err, fmt_duration, out, styled, table
 from capsctl.views.progress import TrainProgress
 
 __all__ = ["SuiteProgress", "print_suite_list", "print_suite_report"]
@@ -126,8 +126,7 @@ def print_suite_report(doc: dict[str, Any]) -> None:
             )
         )
     if doc.get("wall_s_total") is not None:
-        total = doc["wall_s_total"]
-        spent = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
+        spent = fmt_duration(doc["wall_s_total"])
         err.print(Text(f"machine time: {spent} over {doc['runs']} runs (their wall times)"))
     err.print(
         Text(
