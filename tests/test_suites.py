@@ -205,16 +205,23 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
         read_results(bad)
 
 
-def test_report_sums_the_runs_machine_time(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _one_member_suite(tmp_path: Path, walls: tuple[float, float]) -> tuple[Path, Path]:
+    """A suite file of one member, caps, and its two finished runs (seeds 0 and 1, 75% and 85%
+    on t1, ``walls`` seconds each, no checkpoints)."""
     suite_file = tmp_path / "s.yaml"
     suite_file.write_text(
         "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n  - name: caps\n"
     )
     runs = tmp_path / "runs"
-    fake_finished_run(runs / "caps/seed-0", 5400.0, {"t1": (0.75, 200)}, checkpoints=False)
-    fake_finished_run(runs / "caps/seed-1", 1800.0, {"t1": (0.85, 200)}, checkpoints=False)
+    for seed, (wall, acc) in enumerate(zip(walls, (0.75, 0.85), strict=True)):
+        fake_finished_run(runs / f"caps/seed-{seed}", wall, {"t1": (acc, 200)}, checkpoints=False)
+    return suite_file, runs
+
+
+def test_report_sums_the_runs_machine_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_file, runs = _one_member_suite(tmp_path, (5400.0, 1800.0))
     args = ["suite", "report", str(runs), "--suite", str(suite_file), "--no-score"]
     code, _, err = run_cli(capsys, args)
     assert code == 0, err
@@ -353,13 +360,7 @@ def test_report_adds_robustness_measured_once_per_run(
     import capsctl.robustness as robustness
     from capsctl.suites.robust import RobustSettings
 
-    suite_file = tmp_path / "s.yaml"
-    suite_file.write_text(
-        "name: s\nrecipe: quickstart\nseeds: [0, 1]\ntests: [t1]\nmembers:\n  - name: caps\n"
-    )
-    runs = tmp_path / "runs"
-    fake_finished_run(runs / "caps/seed-0", 10.0, {"t1": (0.75, 200)}, checkpoints=False)
-    fake_finished_run(runs / "caps/seed-1", 30.0, {"t1": (0.85, 200)}, checkpoints=False)
+    suite_file, runs = _one_member_suite(tmp_path, (10.0, 30.0))
     for seed in (0, 1):  # weights to measure (the measurement itself is faked)
         (runs / f"caps/seed-{seed}/best.safetensors").write_bytes(b"")
     calls: list[tuple[str, int | None]] = []
