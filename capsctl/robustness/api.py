@@ -240,9 +240,14 @@ def _keeper(store: PointStore | None, path: str | Path, s: _Setup, seed: int) ->
     if store is None:
         return lambda setting, kind, measure: measure()
     checkpoint = fingerprint(path)
-    common = {"dataset": s.test.name, "count": len(s.test), "batch_size": s.batch_size}
-    common |= {"seed": seed}
-    common |= {"device": s.device.type, "flip": s.model.flip}
+    common = {
+        "dataset": s.test.name,
+        "count": len(s.test),
+        "batch_size": s.batch_size,
+        "seed": seed,
+        "device": s.device.type,
+        "flip": s.model.flip,
+    }
 
     def keep(setting: dict[str, Any], kind: Any, measure: Callable[[], Any]) -> Any:
         full = setting | common
