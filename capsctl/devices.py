@@ -10,14 +10,16 @@ does not have, is a :class:`~capsctl.errors.UsageError` that says what to use in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from capsctl.errors import UsageError
 
-__all__ = ["autocast", "denormals_flushed", "flush_denormals", "resolve_device"]
+__all__ = ["autocast", "denormals_flushed", "flush_denormals", "in_float32", "resolve_device"]
+
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +63,40 @@ def autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextManag
     if not amp:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def in_float32(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in float32, also under autocast: autocast off, and every floating-point
+    tensor among ``args`` (also inside a tuple, such as the capsules a read-out takes) cast to
+    float32. Outside autocast it is ``fn(*args)``.
+
+    For the read-outs that turn class capsules into logits: a few hundred multiply-adds per
+    image, whose sums must not keep bf16's rounding. The shared head's bias gradient, for one,
+    is the sum of every class logit's gradient, which cancels to zero (softmax cross-entropy's
+    gradients sum to zero over the classes): in bf16 what is left is the rounding of its terms
+    (``2**-8`` of them, relative), in float32 it is ``2**-24`` of them."""
+    tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
+    if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):
+        return fn(*args)
+    with torch.autocast(device_type=tensors[0].device.type, enabled=False):
+        return fn(*(_float32(a) for a in args))
+
+
+def _flat(args: tuple[Any, ...]) -> Iterator[Any]:
+    for a in args:
+        if isinstance(a, tuple):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _float32(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.float() if a.is_floating_point() else a
+    if isinstance(a, tuple):
+        items = [_float32(x) for x in a]
+        return type(a)(*items) if hasattr(a, "_fields") else type(a)(items)
+    return a
 
 
 def denormals_flushed() -> bool:

@@ -238,3 +238,15 @@ def test_without_cuda_and_without_dry_run_it_says_what_to_do() -> None:
         pytest.skip("a CUDA device is present: the script would run the full check")
     res = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "--dry-run" in res.stdout
+
+
+def test_a_bf16_row_is_ok_within_twice_the_torch_codes_own_bf16_error() -> None:
+    """The check's bf16 rule, with typed numbers: each value of the fused passes may differ
+    from the torch code by twice the torch code's own bf16 error (its bf16 result against its
+    fp32 result) plus the fp32 tolerance 1e-2, value by value."""
+    within = _script("gpu_check").within_bf16
+    own = {"logits": 0.01, "a": 0.17, "b": 0.0}
+    assert within({"logits": 0.02, "a": 0.35, "b": 0.0099}, own)  # 0.35 <= 2 * 0.17 + 0.01
+    assert not within({"logits": 0.02, "a": 0.36, "b": 0.0}, own)  # 0.36 > 0.35
+    assert not within({"logits": 0.02, "a": 0.0, "b": 0.011}, own)  # float32 part: 1e-2
+    assert not within({"logits": 0.031, "a": 0.0, "b": 0.0}, own)  # 0.031 > 2 * 0.01 + 0.01

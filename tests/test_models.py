@@ -85,6 +85,30 @@ def test_every_registered_model_trains_one_step(name: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "name", ["cifar10-caps-simple", "cifar10-em-simple", "cifar10-self-simple", "cifar10-cnn-fast"]
+)
+def test_logits_are_float32_under_bf16_autocast(name: str) -> None:
+    """The read-out runs in float32 under autocast: float32 logits, and the shared head's bias
+    gradient (the sum over every class logit's gradient, 0 in exact arithmetic) keeps only
+    float32's rounding. With that sum in bf16 it kept about 2**-8 of its terms."""
+    torch.manual_seed(0)
+    cfg = get_config(name)
+    model = capsctl.build_model(cfg).train()
+    x = torch.randn(4, cfg.in_channels, cfg.input_size, cfg.input_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.float32
+    out.retain_grad()
+    torch.nn.functional.cross_entropy(out, torch.tensor([0, 1, 2, 3])).backward()
+    bias = getattr(model.head, "bias", None)
+    if bias is None:  # EM's head is the class activations themselves
+        return
+    terms = float(out.grad.abs().sum())  # the sum of |terms| of head.bias's gradient
+    # float32: each of the 4 * 10 additions rounds by at most 2**-24 of the running sum
+    assert float(bias.grad.abs().max()) <= 40 * 2**-24 * terms
+
+
+@pytest.mark.parametrize(
     "name,routing", [("cifar10-caps", "concurrent"), ("cifar10-caps-simple", "sequential")]
 )
 def test_eval_output_is_independent_of_the_batch(name: str, routing: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torchvision.models import resnet18
 
+from capsctl.devices import in_float32
 from capsctl.models.backbones import BACKBONE_CHANNELS, build_backbone
 from capsctl.models.capsnet import plan_layers
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
@@ -70,7 +71,7 @@ class CNNBaseline(nn.Module):
         y = self.convs(self.primary(self.backbone(x)))  # [b, C, h, w]
         y = y.permute(0, 2, 3, 1).flatten(1)  # [b, h*w*C] (channel-last, as capsules flatten)
         y = self.fcs(y).view(-1, self.num_classes, self.dim)  # [b, classes, d]
-        return self.head(y).squeeze(-1)  # [b, classes]
+        return in_float32(self.head, y).squeeze(-1)  # [b, classes, 1] -> [b, classes], float32
 
     def parameter_counts(self) -> dict[str, int]:
         backbone = sum(p.numel() for p in self.backbone.parameters())

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from capsctl.devices import in_float32
 from capsctl.errors import ConfigError
 from capsctl.layers import (
     Capsules,
@@ -199,7 +200,7 @@ class CapsNet(nn.Module):
 
     def forward(self, x: Tensor, trace: bool = False) -> Tensor | tuple[Tensor, RoutingTrace]:
         rt = RoutingTrace() if trace else None
-        out = self.head(self.class_capsules(x, rt))  # [b, classes]
+        out = in_float32(self.head, self.class_capsules(x, rt))  # [b, classes], float32
         if rt is not None:
             return out, rt
         return out
