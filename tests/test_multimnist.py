@@ -89,6 +89,8 @@ def test_multi_label_training_and_evaluation(
     p.train.epochs, p.train.batch_size, p.train.steps_per_epoch = 1, 16, 3
     res = fit(p, tmp_path, handle_sigint=False)
     assert res.test is not None and res.test.metric.startswith("top-2")
+    # an image with two labels is one image: 3 steps of 16
+    assert res.history[0]["images"] == 48
     assert res.test.confusion == [] and len(res.test.per_class) == 10
     from capsctl.checkpoint import load_checkpoint
 

@@ -152,6 +152,26 @@ def test_sigint_mid_epoch_saves_and_resumes_exactly(tmp_path: Path) -> None:
         assert after[-1][key] == pytest.approx(before[-1][key], rel=1e-6) and after[-1][key] > 0
 
 
+def test_a_resumed_runs_seconds_and_speed_add_up_its_pieces(tmp_path: Path) -> None:
+    """Epoch 2 is interrupted after 3 steps, each slowed by 0.3 s, and resumed: its seconds
+    and images/s count the steps before the interruption, and so do the run's seconds."""
+    run = tmp_path / "run"
+
+    def slow_then_interrupt(e: dict) -> None:
+        if e["event"] == "step" and e["epoch"] == 2:
+            time.sleep(0.3)
+            if e["step"] == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(Interrupted):
+        fit(tiny_preset(), run, on_event=slow_then_interrupt)
+    res = fit(tiny_preset(), run, resume=run / LAST)
+    second = res.history[1]
+    assert second["epoch"] == 2 and second["epoch_seconds"] >= 0.9
+    assert second["images_per_s"] <= second["images"] / 0.9
+    assert json.loads((run / "results.json").read_text())["seconds"] >= 0.9
+
+
 def test_out_dir_holding_a_run_is_refused(tmp_path: Path) -> None:
     fit(tiny_preset(epochs=1), tmp_path)
     with pytest.raises(UsageError, match="already holds a run"):

@@ -4,7 +4,6 @@ curves. :class:`RunEnd` is the last part of :class:`capsctl.training.trainer.Tra
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,7 @@ class RunEnd:
     best_state: dict[str, Any] | None
     best_meta: dict[str, Any] | None
     run_id: str
-    t_start: float
+    budget: Any
     _evaluate: Any
 
     def finish(self) -> FitResult:
@@ -74,7 +73,7 @@ class RunEnd:
             self.best_acc if self.best_acc >= 0 else None,
             test,
             False,
-            time.perf_counter() - self.t_start,
+            self.budget.elapsed(),  # this process's seconds and those of earlier ones
             self.history,
         )
         late = overshoot_warning(result.seconds, self.t.time_limit)

@@ -23,6 +23,9 @@ class EpochStats:
     steps: int = 0
     seen: int = 0
     resumed_seen: int = 0  # images done before an interruption (for the speed shown)
+    # training seconds of the epoch before an interruption (None: a checkpoint older than this
+    # record, whose speed is then that of the images after the resume)
+    resumed_seconds: float | None = 0.0
     # on an accelerator: the first step whose loss was not finite (-1: none), read every
     # SYNC_EVERY steps instead of after each step (each read waits for the device)
     first_bad: Tensor | None = None
@@ -43,6 +46,8 @@ class EpochStats:
             stats.loss_sum += float(partial["loss_sum"])
             stats.correct += int(partial["correct"])
             stats.seen = stats.resumed_seen = int(partial["seen"])
+            seconds = partial.get("seconds")
+            stats.resumed_seconds = None if seconds is None else float(seconds)
             # checkpoints older than the gradient trace have none: the epoch's trace then
             # covers the steps after the resume
             stats.grad_norm_sum += float(partial.get("grad_norm_sum", 0.0))
@@ -66,10 +71,24 @@ class EpochStats:
             "grad_norm_max": float(self.grad_norm_max),
         }
 
-    def partial(self, done: int) -> dict[str, Any]:
-        """What a mid-epoch checkpoint keeps after ``done`` steps."""
+    def seconds(self, piece: float) -> float:
+        """The epoch's training seconds: ``piece`` (since this process started it or resumed
+        it) and those before an interruption."""
+        return piece + (self.resumed_seconds or 0.0)
+
+    def images_per_s(self, piece: float) -> float:
+        """Training images per second over the whole epoch, its pieces before interruptions
+        included (for a checkpoint without their seconds: over the images after the resume)."""
+        if self.resumed_seconds is None:
+            return (self.seen - self.resumed_seen) / max(piece, 1e-9)
+        return self.seen / max(self.seconds(piece), 1e-9)
+
+    def partial(self, done: int, piece: float) -> dict[str, Any]:
+        """What a mid-epoch checkpoint keeps after ``done`` steps, ``piece`` training seconds
+        after this process started or resumed the epoch."""
         return {
             "step": done,
+            "seconds": self.seconds(piece),
             "loss_sum": float(self.loss_sum),
             "correct": int(self.correct),
             "seen": self.seen,

@@ -146,22 +146,23 @@ class Trainer(RunSetUp, RunEnd):
             self._train_step(epoch, step, (x, y), stats, flag, t0, clock)
             self.budget.note_train(int(y.shape[0]), time.perf_counter() - t_step)
             if flag["stop"]:
-                self._save_mid_epoch(epoch, step + 1, stats)
+                self._save_mid_epoch(epoch, step + 1, stats, time.perf_counter() - t0)
                 return None
             if self.t.time_limit is not None and self.dist.any_flags(self.budget.spent())[0]:
                 out_of_time = True  # the epoch ends here: validation, checkpoints, test
                 break
             clock.lap("other")
-        train_time = time.perf_counter() - t0
+        piece = time.perf_counter() - t0  # this process's part of the epoch
         loss_sum, correct, seen = self.dist.sum_stats(stats.loss_sum, stats.correct, stats.seen)
         return {
             "epoch": epoch + 1,
             "train_loss": float(loss_sum) / max(seen, 1),
             "train_accuracy": float(correct) / max(seen, 1),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "epoch_seconds": train_time,
+            "epoch_seconds": stats.seconds(piece),
             "images": int(seen),
-            "images_per_s": seen / max(train_time, 1e-9),
+            # this process's rate, scaled to the images of every process
+            "images_per_s": stats.images_per_s(piece) * seen / max(stats.seen, 1),
             **stats.grad_record(),
             **clock.record(),
             **({"time_limit": True} if out_of_time else {}),
@@ -197,9 +198,10 @@ class Trainer(RunSetUp, RunEnd):
         if self.ema is not None:
             self.ema.update(self.model)
         clock.lap("optimizer")
-        stats.loss_sum += loss.detach() * y.numel()
+        images = int(y.shape[0])  # y: [b] labels, or [b, 2] for a multi-label image
+        stats.loss_sum += loss.detach() * images
         stats.correct += count_correct(logits.detach(), y)
-        stats.seen += int(y.numel())
+        stats.seen += images
         report = stats.first_bad is None or (step + 1) % SYNC_EVERY == 0
         if self.on_event is not None and (report or step + 1 == self.steps_per_epoch):
             elapsed = max(time.perf_counter() - t0, 1e-9)
@@ -249,9 +251,9 @@ class Trainer(RunSetUp, RunEnd):
             "Lower train.lr or set train.grad_clip"
         )
 
-    def _save_mid_epoch(self, epoch: int, done: int, stats: EpochStats) -> None:
+    def _save_mid_epoch(self, epoch: int, done: int, stats: EpochStats, piece: float) -> None:
         """Save mid-epoch: resume skips the batches already done and continues exactly."""
-        partial = stats.partial(done)
+        partial = stats.partial(done, piece)
         self.save_last(epoch, self.history[-1] if self.history else {}, {"partial": partial})
 
     # -- end of an epoch -----------------------------------------------------------------------
