@@ -250,3 +250,19 @@ def test_the_shipped_results_file_is_the_report_of_the_shipped_ledger(results: s
     assert done.returncode == 0, done.stderr
     shipped = (ROOT / "capsctl/results" / results).read_text(encoding="utf-8")
     assert done.stdout == shipped
+
+
+def test_the_multimnist_ledger_counts_each_training_image_once() -> None:
+    """An image with two labels is one image: each epoch of the shipped DiverseMultiMNIST runs
+    saw the 54,912 training composites (429 steps of 128) once, and its images/s is those
+    images over its seconds."""
+    runs = sorted((ROOT / "benchmarks" / "suites" / "multimnist-cpu").glob("*/seed-*"))
+    assert len(runs) == 6
+    for run in runs:
+        history = json.loads((run / "results.json").read_text())["history"]
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert history == metrics, run
+        for h in history:
+            assert h["images"] == 429 * 128, run
+            assert h["images_per_s"] == pytest.approx(h["images"] / h["epoch_seconds"], rel=1e-6)
+            assert 0.0 <= h["train_accuracy"] <= 1.0
