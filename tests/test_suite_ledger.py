@@ -266,3 +266,18 @@ def test_the_multimnist_ledger_counts_each_training_image_once() -> None:
             assert h["images"] == 429 * 128, run
             assert h["images_per_s"] == pytest.approx(h["images"] / h["epoch_seconds"], rel=1e-6)
             assert 0.0 <= h["train_accuracy"] <= 1.0
+
+
+def test_every_ledger_run_without_curves_is_disclosed_as_restored() -> None:
+    """A ledger run without metrics.jsonl was restored from a results file: its provenance says
+    from where, and the README says which seeds of the suite lack their curves."""
+    readme = (ROOT / "README.md").read_text()
+    restored = []
+    for run in sorted((ROOT / "benchmarks" / "suites").glob("*/*/seed-*")):
+        if (run / "metrics.jsonl").exists():
+            continue
+        provenance = json.loads((run / "provenance.json").read_text())
+        assert provenance.get("restored_from", {}).get("file"), run
+        restored.append(run)
+    for ledger in {r.parents[1].name for r in restored}:
+        assert f"benchmarks/suites/{ledger}/" in readme and "restored_from" in readme, ledger
