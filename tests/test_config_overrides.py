@@ -149,3 +149,38 @@ def test_property_numeric_overrides_validate_or_raise_config_error(
     got = getattr(preset.train, field)
     assert got == parsed and type(got) in (type(parsed), float)
     assert not isinstance(parsed, bool)
+
+
+@pytest.mark.parametrize("preset", ["quickstart", "cifar10-caps-fast"])
+@pytest.mark.parametrize("router", ["idpa", "dynamic", "em", "self"])
+@pytest.mark.parametrize("how", ["model.router={}", "model.router.name={}"])
+def test_any_router_on_a_capsule_preset_with_its_own_defaults(
+    preset: str, router: str, how: str
+) -> None:
+    """``--router NAME`` (``--set model.router=NAME``) and ``--set model.router.name=NAME``
+    switch a preset's model to that router with the router's own defaults (no parameter of the
+    preset's router carried over), and the model trains one step."""
+    import torch
+
+    from capsctl.config.model_refs import build_model
+    from capsctl.layers.routers import ROUTERS
+
+    p = load_preset(preset, [how.format(router)])
+    defaults = dataclasses.asdict(ROUTERS[router].Params())
+    assert p.model.router == {"name": router, **defaults}
+    torch.manual_seed(0)
+    net = build_model(p.model).train()
+    size, channels = p.model.input_size, p.model.in_channels
+    logits = net(torch.randn(2, channels, size, size))
+    logits.float().sum().backward()
+    assert torch.isfinite(logits).all()
+    assert any(q.grad is not None and q.grad.abs().sum() > 0 for q in net.parameters())
+
+
+def test_a_router_switch_then_its_parameters() -> None:
+    """Parameters set after the switch reach the new router; naming the router the model has
+    keeps its parameters."""
+    p = load_preset("quickstart", ["model.router.name=dynamic", "model.router.iterations=5"])
+    assert p.model.router == {"name": "dynamic", "iterations": 5}
+    same = load_preset("quickstart", ["model.router.iterations=4", "model.router.name=idpa"])
+    assert same.model.router["iterations"] == 4 and same.model.router["schedule"] == "concurrent"

@@ -56,8 +56,32 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
     for override in overrides:
         tokens, value = _parse_override(override)
         _expand_named_model(result, tokens)
+        tokens, value = _switch_router(result, tokens, value)
         _set_path(result, tokens, value, override)
     return result
+
+
+def _switch_router(root: dict[str, Any], tokens: Tokens, value: Any) -> tuple[Tokens, Any]:
+    """A router given by name starts from that router's own defaults.
+
+    ``model.router=dynamic`` means ``model.router={name: dynamic}``, and ``model.router.name=X``
+    for a router other than the one the model has drops the old router's parameters (its
+    iterations, its schedule) with it: the new router fills in its own defaults, and a schedule
+    only where it has one. Parameters set after the switch apply to the new router."""
+    if tokens == ["model", "router"] and isinstance(value, str):
+        return tokens, {"name": value}
+    if tokens != ["model", "router", "name"]:
+        return tokens, value
+    model = root.get("model")
+    router = model.get("router") if isinstance(model, dict) else None
+    if isinstance(router, dict) and router.get("name") == value:
+        return tokens, value  # the same router: its parameters stay
+    if isinstance(model, dict) and "base" in model and "router" not in model:
+        root["model"] = model = expand_model(model, "model")
+        router = model.get("router")
+    if isinstance(router, dict) and router.get("name") == value:
+        return tokens, value
+    return ["model", "router"], {"name": value}
 
 
 def _parse_override(override: Any) -> tuple[Tokens, Any]:
