@@ -1,4 +1,4 @@
-"""``capsctl models`` and ``capsctl presets``."""
+"""``capsctl models``, ``capsctl presets`` and ``capsctl weights``."""
 
 from __future__ import annotations
 
@@ -41,3 +41,20 @@ def presets_cmd(json_out: JsonOpt = False) -> None:
         print_json({"presets": [{"name": n, "description": d} for n, d in items]})
     else:
         print_presets(items)
+
+
+@app.command("weights")
+def weights_cmd(json_out: JsonOpt = False) -> None:
+    """List the trained weights shipped with capsctl, by name.
+
+    Example: capsctl weights, then capsctl eval cifar10-fast.idpa
+    """
+    from capsctl.views.catalog import print_weights
+    from capsctl.views.common import print_json
+    from capsctl.weights import list_weights
+
+    rows = [w.to_dict() for w in list_weights()]
+    if json_out:
+        print_json({"weights": rows})
+    else:
+        print_weights(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from capsctl.views.common import fmt_int, out, table
+from capsctl.views.common import fmt_bytes, fmt_int, fmt_pct, note, out, table
 
 __all__ = ["print_models", "print_presets"]
 
@@ -34,3 +34,27 @@ def print_models(rows: Sequence[dict[str, Any]]) -> None:
 
 def print_presets(items: Sequence[tuple[str, str]]) -> None:
     out.print(table("Presets (capsctl train --preset NAME)", ["name", "description"], items))
+
+
+def print_weights(rows: Sequence[dict[str, Any]]) -> None:
+    """The shipped weights: ``capsctl eval NAME`` reproduces each accuracy."""
+    out.print(
+        table(
+            "Shipped weights (NAME goes wherever a checkpoint does)",
+            ["name", "model", "router", "test set", "accuracy", "params", "size"],
+            [
+                [
+                    r["name"],
+                    r["model"],
+                    r["router"] or "-",
+                    r["test_set"],
+                    fmt_pct(r["accuracy"]),
+                    fmt_int(r["params"]),
+                    fmt_bytes(r["bytes"]),
+                ]
+                for r in rows
+            ],
+            right=(4, 5, 6),
+        )
+    )
+    note("each row: capsctl eval NAME gives that accuracy; --json adds command, commit, source")
