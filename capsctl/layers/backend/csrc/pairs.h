@@ -138,6 +138,8 @@ inline void for_pairs(const float* __restrict x, const float* __restrict w, cons
       f<1, 16, 16, 32>(__VA_ARGS__);                      \
     } else if (vec16 && dd.m == 10) {                     \
       f<1, 16, 16, 10>(__VA_ARGS__);                      \
+    } else if (vec16) {                                   \
+      f<1, 16, 16, 0>(__VA_ARGS__);                       \
     } else {                                              \
       f<0, 0, 0, 0>(__VA_ARGS__);                         \
     }                                                     \
