@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from capsctl.atomic import write_atomic  # noqa: E402
 from capsctl.checkpoint.format import MODEL_PREFIX, decode_metadata, save_checkpoint  # noqa: E402
+from capsctl.checkpoint.shipped import INDEX, SHIPPED_DIR, is_shipped_name, list_weights  # noqa: E402
 from capsctl.evaluation import evaluate_checkpoint  # noqa: E402
-from capsctl.weights import INDEX, SHIPPED_DIR, is_shipped_name, list_weights  # noqa: E402
 
 #: The largest difference in points between the shipped file's accuracy and the ledger's.
 AGREEMENT_POINTS = 0.3

@@ -49,9 +49,9 @@ def weights_cmd(json_out: JsonOpt = False) -> None:
 
     Example: capsctl weights, then capsctl eval cifar10-fast.idpa
     """
+    from capsctl.checkpoint.shipped import list_weights
     from capsctl.views.catalog import print_weights
     from capsctl.views.common import print_json
-    from capsctl.weights import list_weights
 
     rows = [w.to_dict() for w in list_weights()]
     if json_out:

@@ -6,8 +6,9 @@ apart from model and preset names, which have none (as timm's ``model.tag``). Re
 checkpoint argument (:func:`resolve_checkpoint`): an existing path wins, then a shipped name,
 then (where the command takes one) a Hub id.
 
-Each file is a capsctl checkpoint with float16 weights and no training state, made from a
-ledger run by ``scripts/ship_weights.py``; ``index.json`` beside it records per name the model,
+The files live in ``capsctl/weights/``. Each is a capsctl checkpoint with float16 weights and
+no training state, made from a ledger run by ``scripts/ship_weights.py``; ``index.json`` beside
+it records per name the model,
 router, dataset, test set, the accuracy that ``capsctl eval NAME`` gives with the file itself,
 parameters, bytes, the training command, the commit that trained it and ``source`` (the ledger
 folder of the run in the repository).
@@ -29,12 +30,12 @@ __all__ = [
     "ShippedWeights",
     "is_shipped_name",
     "list_weights",
-    "resolve_checkpoint",
     "shipped",
+    "shipped_or_path",
 ]
 
 #: Where the shipped files and their index live.
-SHIPPED_DIR = Path(__file__).resolve().parent
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "weights"
 #: The index of the shipped files.
 INDEX = SHIPPED_DIR / "index.json"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*\.[a-z0-9][a-z0-9-]*$")
@@ -90,7 +91,7 @@ def shipped(name: str) -> ShippedWeights | None:
     return next((w for w in list_weights() if w.name == name), None)
 
 
-def resolve_checkpoint(ref: str | Path) -> Path:
+def shipped_or_path(ref: str | Path) -> Path:
     """The file a checkpoint argument names: ``ref`` itself when it exists, else the shipped
     file of that name, else ``ref`` unchanged (for the caller to try as a Hub id or to report
     as missing)."""
