@@ -1,7 +1,9 @@
 """Writing files so that a reader never sees a partial one: temporary file, fsync, rename.
 
 :func:`check_output` is the one rule for a path a command writes: never one of the files it
-reads, and never an existing file unless the user said ``--overwrite``.
+reads, never in a run folder or a suite folder that is not the output's own, and never an
+existing file unless the user said ``--overwrite`` and the file holds an earlier output of the
+same kind (told by its content: :mod:`capsctl.outputs`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from capsctl.errors import CapsctlError, UsageError
+from capsctl.outputs import OutputKind, refuse_inside_runs
 
 
 def fsync_dir(folder: Path) -> None:
@@ -45,11 +48,16 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 def check_output(
     path: str | os.PathLike[str],
     *,
+    kind: OutputKind,
     inputs: Iterable[str | os.PathLike[str]] = (),
     overwrite: bool = False,
 ) -> None:
-    """Refuse (:class:`UsageError`) to write ``path`` when it is one of ``inputs`` (even with
-    ``overwrite``), a folder, or an existing file while ``overwrite`` is False."""
+    """Refuse (:class:`UsageError`) to write ``path``, an output of ``kind``, when it is one of
+    ``inputs``, in or below a run folder or a suite folder that is not its own
+    (:func:`capsctl.outputs.refuse_inside_runs`), or when it exists and either ``overwrite`` is
+    False or it does not hold ``kind`` (even with ``overwrite``). A file kind's ``path`` must not
+    be a folder; a folder kind's must not be a file, and an existing non-empty folder counts as
+    existing unless the kind adds to its own folder (``kind.home``)."""
     path = Path(path)
     for source in inputs:
         if same_file(path, source):
@@ -57,28 +65,45 @@ def check_output(
                 f"{path} is the input {source}; writing there would destroy it, pick another "
                 "output path"
             )
-    if path.is_dir():
+    refuse_inside_runs(path, kind)
+    if kind.folder:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{path} exists and is not a folder; pick another output folder")
+        if kind.home is not None or not path.is_dir() or not any(path.iterdir()):
+            return
+    elif path.is_dir():
         raise UsageError(f"{path} is a folder; pick an output file name")
-    if (path.exists() or path.is_symlink()) and not overwrite:
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not overwrite:
+        raise _exists_error(path)
+    if not kind.holds(path):
         raise UsageError(
-            f"{path} already exists; pass --overwrite to replace it or pick another output path"
+            f"{path} exists and is not {kind.what}; --overwrite replaces only that, so pick "
+            "another output path"
         )
+
+
+def _exists_error(path: Path) -> UsageError:
+    return UsageError(
+        f"{path} already exists; pass --overwrite to replace it or pick another output path"
+    )
 
 
 def publish(tmp: Path, path: Path, *, overwrite: bool = True) -> None:
     """Rename the finished ``tmp`` to ``path``. Without ``overwrite`` the file that appeared at
-    ``path`` meanwhile is kept (hard link, no replace) and :func:`check_output`'s UsageError is
-    raised; ``tmp`` is left for the caller to remove. OSError on failure."""
+    ``path`` meanwhile is kept (hard link, no replace) and a UsageError says it exists; ``tmp``
+    is left for the caller to remove. OSError on failure."""
     if overwrite:
         os.replace(tmp, path)
         return
     try:
         os.link(tmp, path)  # fails if path exists: nothing is ever replaced
     except FileExistsError:
-        check_output(path)
-        raise
+        raise _exists_error(path) from None
     except OSError:  # no hard links on this file system
-        check_output(path)
+        if path.exists() or path.is_symlink():
+            raise _exists_error(path) from None
         os.replace(tmp, path)
         return
     os.unlink(tmp)

@@ -1,6 +1,29 @@
-"""Exceptions that the CLI turns into one-line messages and exit codes."""
+"""Exceptions that the CLI turns into one-line messages and exit codes, and :func:`some_names`
+for the names such a line offers."""
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+#: The most names one error line lists (the closest to what was typed first).
+NAMES_LISTED = 4
+
+
+def some_names(names: Sequence[str], typed: str, listed_by: str) -> str:
+    """``names`` for a one-line error: all of them when there are at most
+    :data:`NAMES_LISTED`; else the ones closest to ``typed``, then ``"... (N in all:
+    <listed_by>)"``; ``"none"`` when there are none."""
+    if len(names) <= NAMES_LISTED:
+        return ", ".join(names) or "none"
+    close = difflib.get_close_matches(typed, names, n=NAMES_LISTED, cutoff=0)
+    return f"{', '.join(close)}, ... ({len(names)} in all: {listed_by})"
+
+
+def did_you_mean(names: Sequence[str], typed: str) -> str:
+    """``" (did you mean <name>?)"`` for the name closest to ``typed``, or ``""``."""
+    near = difflib.get_close_matches(typed, names, n=1)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 class CapsctlError(Exception):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from capsctl.checkpoint import load_checkpoint, stored_preset
+from capsctl.checkpoint import load_checkpoint, resolve_checkpoint, stored_preset
 from capsctl.data.prepare import prepare_data
 from capsctl.devices import autocast, resolve_device
 from capsctl.errors import CapsctlError, UsageError
@@ -183,17 +183,21 @@ def evaluate_checkpoint(
     test_file: str | None = None,
     on_event: EventFn = None,
 ) -> tuple[EvalResult, dict[str, Any]]:
-    """Rebuild the model and its data from a checkpoint (or model folder) alone and evaluate
-    one split; returns the result and the checkpoint's metadata. ``split="test"`` reads only
-    the test images; ``"val"`` reads the training images to hold out the validation split.
-    A ``batch_size`` below 1 is a :class:`UsageError`."""
+    """Rebuild the model and its data from a checkpoint (a model folder, or a run folder: its
+    best.safetensors) alone and evaluate one split; returns the result and the checkpoint's
+    metadata. ``split="test"`` reads only the test images; ``"val"`` reads the training images
+    to hold out the validation split. The data lives in ``data_dir``, else ``$CAPSCTL_DATA``,
+    else the user cache, never in the stored ``data.data_dir``; the stored class names and
+    normalization are used, as ``predict`` uses them. A ``batch_size`` below 1 is a
+    :class:`UsageError`."""
     if split not in ("val", "test"):
         raise UsageError(f"--split {split}: expected val or test")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     dev = resolve_device(device)
+    path = resolve_checkpoint(path)  # a run folder: its best.safetensors
     model, meta = load_checkpoint(path, device=dev)
-    preset = stored_preset(meta, Path(path))
+    preset = stored_preset(meta, path)
     if data_dir is not None:
         preset.data.data_dir = data_dir
     if test_file is not None:
@@ -220,9 +224,7 @@ def evaluate_checkpoint(
         ds,
         batch_size=batch_size or preset.train.eval_batch_size,
         device=dev,
-        mean=data.mean,
-        std=data.std,
-        classes=data.classes,
+        **_stored_preprocessing(meta, data.classes, data.mean, data.std),
         split=split,
         loss=eval_loss(preset, ds.labels.dim() == 2, len(data.classes)),
         flip=preset.data.augment.test_flip,
@@ -230,6 +232,25 @@ def evaluate_checkpoint(
     )
     _check_finite(result, path)
     return result, meta
+
+
+def _stored_preprocessing(
+    meta: dict[str, Any], classes: list[str], mean: list[float], std: list[float]
+) -> dict[str, Any]:
+    """``classes``, ``mean`` and ``std`` as the checkpoint stores them (what ``predict`` uses;
+    checked when the metadata was read), else the dataset's ``classes``, ``mean`` and ``std``:
+    the model is scored on the preprocessing it was trained with."""
+    norm = meta.get("normalization") or {}
+
+    def per_channel(key: str, default: list[float]) -> list[float]:
+        values = [float(v) for v in norm.get(key) or default]
+        return values * len(default) if len(values) == 1 else values
+
+    return {
+        "classes": [str(c) for c in meta.get("classes") or classes],
+        "mean": per_channel("mean", mean),
+        "std": per_channel("std", std),
+    }
 
 
 def _check_finite(result: EvalResult, path: str | Path) -> None:

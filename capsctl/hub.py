@@ -14,17 +14,26 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from capsctl.checkpoint import CONFIG_NAME, WEIGHTS_NAME, config_from_metadata, load_checkpoint
+from capsctl.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    config_from_metadata,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from capsctl.checkpoint.format import library_versions
+from capsctl.checkpoint.shipped import is_shipped_name, shipped
 from capsctl.errors import CapsctlError, CheckpointError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch import nn
 
-__all__ = ["from_pretrained", "resolve_pretrained"]
+__all__ = ["from_pretrained", "looks_like_path", "resolve_pretrained"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: Endings of file names: a name ending so names a local file, never a Hub model.
+_FILE_SUFFIXES = (".safetensors", ".json", ".yaml", ".yml", ".pt", ".pth", ".bin", ".ckpt")
 _HUB_MISSING = "needs huggingface_hub: pip install 'capsctl[hub]'"
 
 
@@ -118,6 +127,24 @@ def _from_hub(
     return files[0].parent
 
 
+def looks_like_path(name_or_path: str | os.PathLike[str]) -> bool:
+    """Whether ``name_or_path`` names a local file or folder rather than a Hub id ``org/name``.
+
+    A path object; or text that starts with ``.``, ``~`` or a separator, ends with a separator
+    or a file suffix (``.safetensors``, ``.json``, ...), holds a backslash or other than exactly
+    one ``/``, or whose part before the ``/`` is a local folder (``runs/x`` where ``runs/``
+    exists)."""
+    if not isinstance(name_or_path, str):
+        return True
+    text = name_or_path
+    separators = ("/", "\\")  # os.sep is one of them
+    if text.startswith((".", "~", *separators)) or text.endswith(separators):
+        return True
+    if "\\" in text or text.count("/") != 1 or text.lower().endswith(_FILE_SUFFIXES):
+        return True
+    return Path(text.split("/", 1)[0]).is_dir()
+
+
 def resolve_pretrained(
     name_or_path: str | os.PathLike[str],
     *,
@@ -125,8 +152,11 @@ def resolve_pretrained(
     cache_dir: str | os.PathLike[str] | None = None,
     local_files_only: bool | None = None,
 ) -> Path:
-    """The local path of a model: an existing folder or file as it is, a Hub id via the cache.
+    """The local path of a model: an existing folder or file as it is, then a shipped name
+    (``capsctl weights``), then a Hub id via the cache.
 
+    A missing path (:func:`looks_like_path`) is a one-line error that never asks the Hub. A
+    run folder of ``capsctl train`` stands for its ``best.safetensors``.
     A string ``org/name`` that is not an existing path is fetched with ``huggingface_hub``
     (``config.json`` and ``model.safetensors`` of ``revision``, default the main branch) into
     its cache (``cache_dir``, default ``HF_HUB_CACHE``); with ``local_files_only=True`` or
@@ -138,12 +168,17 @@ def resolve_pretrained(
             raise UsageError(
                 f"revision={revision!r} applies to Hub ids only, and {path} is a local path"
             )
-        return path
-    text = str(name_or_path)
-    if not _HUB_ID.match(text):
+        return resolve_checkpoint(path)
+    text = os.fspath(name_or_path)
+    found = shipped(text) if is_shipped_name(text) else None
+    if found is not None:  # a shipped name (capsctl weights), after an existing path
+        if revision is not None:
+            raise UsageError(f"revision={revision!r} applies to Hub ids only, not {text}")
+        return found.path
+    if looks_like_path(name_or_path) or not _HUB_ID.match(text):
         raise CheckpointError(
-            f"{text} does not exist; pass a model folder, a .safetensors checkpoint or a Hub "
-            "id like org/name"
+            f"no such file or folder: {text}; pass a model folder, a run folder, a .safetensors "
+            "checkpoint, a shipped name (capsctl weights) or a Hub id like org/name"
         )
     return _from_hub(
         text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only

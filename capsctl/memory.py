@@ -25,8 +25,9 @@ it is. Other allocators (musl, macOS, Windows, a preloaded jemalloc) are left al
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from capsctl.environment import switch
 
 __all__ = ["ENV", "glibc", "keep_freed_memory"]
 
@@ -62,7 +63,7 @@ def keep_freed_memory() -> bool:
     docstring). Returns True when applied; False where ``CAPSCTL_KEEP_MEMORY=0``, on other C
     libraries or when glibc refuses. Process-wide; applying it twice is harmless."""
     lib = glibc()
-    if os.environ.get(ENV, "1").strip() == "0" or lib is None:
+    if not switch(ENV, default=True) or lib is None:
         return False
     mallopt = lib.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

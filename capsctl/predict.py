@@ -214,7 +214,7 @@ def predict_images(
     matches nothing, or a file not regular or not decodable, is an error naming it (with
     ``skip_bad``: a ``warning`` event, the file left out). ``top_k`` above the class count shows
     all. Events: ``eval_step`` (``name="images"``, ``step``, ``steps``), ``warning``."""
-    from capsctl.checkpoint import read_metadata
+    from capsctl.checkpoint import read_metadata, resolve_checkpoint
     from capsctl.data.images import describe_preprocessing
 
     if top_k < 1:
@@ -223,7 +223,7 @@ def predict_images(
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     if not paths:
         raise UsageError("name at least one image file, folder or glob pattern")
-    checkpoint = Path(checkpoint)
+    checkpoint = resolve_checkpoint(checkpoint)  # a run folder: its best.safetensors
     skipped: list[Skipped] = []
     files = _image_files(paths, skip_bad, skipped, on_event)
     meta = read_metadata(checkpoint)  # cheap: the header only; the model is loaded below

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from capsctl.errors import ConfigError
+from capsctl.errors import ConfigError, did_you_mean, some_names
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
 
@@ -192,8 +192,9 @@ def _entry(name: str) -> Entry:
     try:
         return _REGISTRY[name]
     except KeyError:
-        known = ", ".join(list_models())
-        raise ConfigError(f"unknown model {name!r}; registered models: {known}") from None
+        names = list_models()
+        hint, known = did_you_mean(names, name), some_names(names, name, "capsctl models")
+        raise ConfigError(f"unknown model {name!r}{hint}; registered models: {known}") from None
 
 
 def get_config(name: str, num_classes: int | None = None) -> ModelConfig:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import sys
 
+from capsctl.environment import switch
+
 __all__ = ["ENV", "SPIN_COUNT", "short_omp_spin"]
 
 #: Environment variable: ``0`` leaves GNU OpenMP's waiting as it is.
@@ -43,7 +45,7 @@ def short_omp_spin() -> bool:
     Returns True when set; False where ``CAPSCTL_OMP_SPIN=0``, where the user set
     ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``, or where torch is already imported (too late: the
     runtime has read its settings)."""
-    if os.environ.get(ENV, "1").strip() == "0" or "torch" in sys.modules:
+    if not switch(ENV, default=True) or "torch" in sys.modules:
         return False
     if any(name in os.environ for name in _USER_SETTINGS):
         return False

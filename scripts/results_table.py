@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from capsctl.atomic import write_text_atomic  # noqa: E402
+from capsctl.suites import load_suite  # noqa: E402
+from capsctl.suites.claims import judge_summary, paragraph  # noqa: E402
 from capsctl.suites.results_file import read_results  # noqa: E402
 from capsctl.views.common import fmt_duration  # noqa: E402
 
@@ -88,6 +90,7 @@ def table(path: Path) -> str:
             "† stopped at the other members' median wall time (its epochs column says how far it "
             "got), not after the same epochs.",
         ]
+    lines += _claims(rows, members, tests[0])
     done = [r for r in rows if r["seeds_run"]]
     machines = sorted({(r["cpu"], r["cores"], r["torch"]) for r in done}, key=str)
     commits: dict[str, list[str]] = defaultdict(list)
@@ -107,6 +110,22 @@ def table(path: Path) -> str:
             f"of their wall times); capsctl commits {which}; `capsctl/results/{path.name}`.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _claims(rows: list[dict], members: dict[str, dict[str, dict]], test: str) -> list[str]:
+    """The suite's claims on ``test``, as ``capsctl suite report`` judges them (Welch's 95%
+    interval over seeds, from each member's mean, standard deviation and seeds)."""
+    suite = load_suite(rows[0]["suite"]) if rows else None
+    if suite is None or not suite.claims:
+        return []
+    diffs = []
+    for claim in suite.claims:
+        a, b = (members.get(m, {}).get(claim.test or test) for m in (claim.a, claim.b))
+        if a is None or b is None or a["top1_mean"] is None or b["top1_mean"] is None:
+            continue
+        summary = [(r["top1_mean"], r["top1_std"] or 0.0, r["seeds_run"] or 0) for r in (a, b)]
+        diffs.append(judge_summary(claim, claim.test or test, *summary))
+    return ["", "The claims (`capsctl suite report`), on the first test set:", "", paragraph(diffs)]
 
 
 def render(text: str) -> str:

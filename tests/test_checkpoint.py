@@ -62,7 +62,7 @@ def make_metadata(cfg: ModelConfig | None = None) -> dict[str, Any]:
         "metrics": {"val_acc": 0.875, "loss": [1.5, 0.25]},
         "classes": ["cat", "dog", "ému"],
         "normalization": {"mean": [0.5], "std": [0.25]},
-        "input_size": 2,
+        "input_size": 32,  # the model's (ModelConfig default); checked when read
         "dataset_fingerprint": "abc123",
     }
 
@@ -577,7 +577,7 @@ def test_full_resume_matches_uninterrupted_training(tmp_path: Path) -> None:
     save_checkpoint(
         path,
         {**model_tensors(model), **state_tensors},
-        {**make_metadata(), **state_meta, "epoch": 4},
+        {**state_meta, "epoch": 4},  # no preset: these tensors are not a capsctl model
     )
     for _ in range(3):  # disturb everything
         train_epoch(model, opt, sched)

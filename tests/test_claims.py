@@ -82,3 +82,20 @@ def test_judge_and_the_paragraph() -> None:
 def test_claims_are_checked_against_the_members(raw: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_claims(raw, ["idpa", "cnn"], "suite.yaml")
+
+
+def test_the_multimnist_ledger_judges_the_papers_third_claim() -> None:
+    """The bundled suite's claim, judged by ``suite report`` on the shipped ledger: the
+    capsule net is 11.10 points behind the CNN (72.12 against 83.22%, three seeds each)."""
+    from pathlib import Path
+
+    from capsctl.suites import load_suite, report_suite
+
+    ledger = Path(__file__).resolve().parents[1] / "benchmarks" / "suites" / "multimnist-cpu"
+    assert [c.name for c in load_suite("multimnist").claims] == ["caps-vs-cnn"]
+    doc = report_suite(load_suite(str(ledger / "suite.yaml")), ledger, score=False).to_dict()
+    (d,) = doc["claims"]
+    assert (d["verdict"], d["holds"], d["seeds_a"], d["seeds_b"]) == ("behind", False, 3, 3)
+    assert d["points"] == pytest.approx(-11.10, abs=0.005)
+    assert (d["low"], d["high"]) == pytest.approx((-11.80, -10.40), abs=0.01)
+    assert doc["claims_text"].startswith("1. the capsule net beats a CNN")

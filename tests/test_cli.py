@@ -110,7 +110,7 @@ def test_resume_continues_a_run(
         ),
         (["train", "--preset", "quickstart", "--set", "train.bogus=1"], 2, "train.bogus"),
         (["train", "--preset", "quickstart", "--set", "noequals"], 2, "noequals"),
-        (["train", "--preset", "quickstart", "--lr", "-1"], 2, "train.lr: must be > 0"),
+        (["train", "--preset", "quickstart", "--lr", "-1"], 2, "--lr -1: expected a number in (0,"),
         (["train"], 2, "missing --preset"),
         (["eval", "missing.safetensors"], 2, "no such file"),
         (["bench", "nope"], 2, "unknown model 'nope'"),
@@ -337,7 +337,7 @@ def test_export_refuses_an_existing_file_unless_overwrite(
     tiny_checkpoint, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     ckpt = tiny_checkpoint()
-    last = tiny_checkpoint(tmp_path / "last.safetensors")
+    last = tiny_checkpoint(tmp_path / "release.safetensors")  # weights only: an export's kind
     before = last.read_bytes()
     args = ["export", str(ckpt), "--format", "safetensors", "--out", str(last)]
     code, _, err = run_cli(capsys, [*args])
@@ -346,6 +346,12 @@ def test_export_refuses_an_existing_file_unless_overwrite(
     code, _, err = run_cli(capsys, [*args, "--overwrite"])
     assert code == 0, err
     assert last.read_bytes() != before
+    (tmp_path / "run").mkdir()  # a run's checkpoint: never an export's output
+    best = tiny_checkpoint(tmp_path / "run" / "best.safetensors")
+    before = best.read_bytes()
+    code, _, err = run_cli(capsys, [*args[:-1], str(best), "--overwrite"])
+    assert code == 2 and str(best) in err and "run folder" in err
+    assert best.read_bytes() == before
     code, _, err = run_cli(
         capsys, ["export", str(ckpt), "-f", "safetensors", "-o", str(ckpt), "--overwrite"]
     )

@@ -145,12 +145,40 @@ def test_model_folder_is_compared_like_its_checkpoint(checkpoint: Path, tmp_path
     assert dataclasses.replace(from_folder, name=from_file.name) == from_file
 
 
+def test_a_run_folder_is_compared_as_eval_reads_it(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``capsctl compare caps runs/try/`` (issue 37, L4): a ``capsctl train`` run folder stands
+    for its best.safetensors, as for eval, predict and the other commands."""
+    import shutil
+
+    from conftest import run_cli
+
+    from capsctl.checkpoint import resolve_checkpoint
+
+    run = tmp_path / "runs" / "try"
+    run.mkdir(parents=True)
+    for name in ("best.safetensors", "last.safetensors"):
+        shutil.copy(checkpoint, run / name)
+    assert resolve_checkpoint(run) == run / "best.safetensors"
+    name, source, cfg, path = resolve_target(f"{run}/")
+    assert (name, source, path) == (f"{run}/", "checkpoint", run / "best.safetensors")
+    assert cfg == resolve_config(TINY)
+    code, out, err = run_cli(capsys, ["compare", "caps", f"{run}/", "--json"])
+    assert code == 0, err
+    assert json.loads(out)["models"][1]["accuracy"] == pytest.approx(0.61)
+    (run / "best.safetensors").unlink()  # stopped before its first validation
+    code, _, err = run_cli(capsys, ["compare", str(run)])
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "best.safetensors" in err and str(run / "last.safetensors") in err
+
+
 def test_unknown_target_lists_what_is_accepted(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as info:
         resolve_target("no-such-model")
     message = str(info.value)
-    assert "\n" not in message
-    for word in ("no-such-model", "cifar10-caps", "cifar10-resnet18", "caps", ".safetensors"):
+    assert "\n" not in message and len(message) <= 200  # says where the names are, not all
+    for word in ("no-such-model", "capsctl models", "capsctl presets", "caps", ".safetensors"):
         assert word in message
     with pytest.raises(UsageError, match="does not exist"):
         resolve_target(str(tmp_path / "missing.safetensors"))
@@ -512,3 +540,45 @@ def test_speed_argument_errors() -> None:
         compare(["mnist-caps"], speed=True, batch_size=0)
     with pytest.raises(UsageError):
         compare(["mnist-caps"], speed=True, device="tpu")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["compare", "nosuch"], ["'nosuch'", "capsctl models", "capsctl presets"]),
+        (["compare", "cifar10-cap"], ["did you mean cifar10-caps?"]),
+        (["compare", "resnet18", "--suite", "nope"], ["--suite nope", "paper"]),
+        (["train", "--preset", "cifar10-cap"], ["did you mean cifar10-caps?", "capsctl presets"]),
+        (["bench", "cifar10-cap"], ["did you mean cifar10-caps?", "capsctl models"]),
+    ],
+)
+def test_an_unknown_name_is_a_short_line_that_says_how_to_list_them(
+    args: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a list of every model and preset (1,300 characters and growing)."""
+    from conftest import run_cli
+
+    code, _, err = run_cli(capsys, args)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert len(line) <= 200 and all(w in line for w in words), (len(line), line)
+
+
+def test_a_long_message_from_anywhere_is_cut_to_one_short_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fallback where the CLI renders errors: one line of at most about 1,000 characters,
+    its start and its end (what to do) kept."""
+    from conftest import run_cli
+
+    import capsctl.registry
+
+    def long(pattern: str) -> list:
+        raise UsageError("first part\n" + "x" * 2000 + "; do this")
+
+    monkeypatch.setattr(capsctl.registry, "model_summaries", long)
+    code, _, err = run_cli(capsys, ["models"])
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: first part xxx") and line.endswith("x; do this"), line
+    assert len(line) <= 1000 and "--debug" in line, len(line)

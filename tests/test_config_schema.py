@@ -272,7 +272,7 @@ train_configs = st.builds(
     batch_size=st.integers(1, 4096),
     eval_batch_size=st.integers(1, 4096),
     optimizer=st.sampled_from(["sgd", "adamw"]),
-    lr=positive,
+    lr=st.floats(min_value=1e-12, max_value=10, allow_nan=False),
     momentum=unit_open,
     nesterov=st.booleans(),
     weight_decay=st.floats(min_value=0, max_value=1, allow_nan=False),
@@ -300,3 +300,32 @@ def test_property_train_config_yaml_round_trip(train: TrainConfig) -> None:
     preset = Preset(name="p", train=train)
     assert preset_from_yaml(dump_yaml(preset)) == preset
     assert preset_from_dict(preset_to_dict(preset)) == preset
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["train.lr", "train.epochs", "train.batch_size", "train.eval_batch_size", "train.momentum",
+     "train.weight_decay", "train.label_smoothing", "train.grad_clip", "train.ema_decay",
+     "train.gamma", "train.warmup_epochs", "train.seed", "train.time_limit",
+     "train.steps_per_epoch", "train.milestones[0]", "model.router.iterations", "model.dropout",
+     "data.val_size", "data.augment.crop_padding"],
+)  # fmt: skip
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "-1"])
+def test_no_numeric_field_takes_nan_inf_or_a_negative(field: str, value: str) -> None:
+    """``--set`` numbers are checked by the schema (capsctl/config/convert.py refuses nan and
+    inf for every number, the fields' checks negatives), one line naming the field."""
+    with pytest.raises(ConfigError) as info:
+        parse([f"{field}={value}"])
+    message = str(info.value)
+    assert message.startswith(field.replace("[0]", "")) and "\n" not in message, message
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["train.epochs=1000000", "train.batch_size=100000000", "train.eval_batch_size=100000000",
+     "train.lr=1e30", "train.time_limit=1e30"],
+)  # fmt: skip
+def test_fields_with_a_flag_have_the_flags_upper_bound(override: str) -> None:
+    """``--set train.epochs=N`` is held to the bound of ``--epochs N`` (capsctl/numbers.py)."""
+    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}: must be <= "):
+        parse([override])

@@ -284,8 +284,9 @@ def test_plot_cli_default_out_one_run(tmp_path: Path, capsys: pytest.CaptureFixt
     pytest.importorskip("matplotlib")
     run_dir = write_run(tmp_path, "r")
     code, out, _ = run_cli(capsys, ["plot", str(run_dir), "--metric", "val_accuracy", "-m", "lr"])
-    assert code == 0 and f"wrote {run_dir / 'curves.png'}" in out
-    png_size(run_dir / "curves.png")
+    assert code == 0 and "wrote curves.png" in out  # the current folder: the run keeps its own
+    png_size(Path("curves.png"))
+    assert not (run_dir / "curves.png").exists()
 
 
 def test_plot_cli_two_runs_json(
@@ -452,17 +453,24 @@ def test_plot_refuses_an_existing_picture_unless_overwrite(tmp_path: Path) -> No
     pytest.importorskip("matplotlib")
     run_dir = write_run(tmp_path, "one")
     out = tmp_path / "mine.png"
-    out.write_bytes(b"precious")
+    out.write_bytes(PNG_SIGNATURE + b"an earlier picture")
     with pytest.raises(UsageError) as info:
         plot_runs([run_dir], out)
     assert str(out) in str(info.value) and "--overwrite" in str(info.value)
-    assert out.read_bytes() == b"precious"
+    assert out.read_bytes() == PNG_SIGNATURE + b"an earlier picture"
     assert plot_runs([run_dir], out, overwrite=True) == out
-    assert out.read_bytes().startswith(PNG_SIGNATURE)
-    default = plot_runs([run_dir])  # curves.png in the run folder, once
+    assert png_size(out)[0] > 0
+    default = plot_runs([run_dir])  # curves.png in the current folder, once
     with pytest.raises(UsageError, match="already exists"):
         plot_runs([run_dir])
-    assert default == run_dir / "curves.png"
+    assert default == Path("curves.png") and not (run_dir / "curves.png").exists()
+    precious = tmp_path / "precious.png"  # not a picture: never replaced, even with overwrite
+    precious.write_bytes(b"precious")
+    with pytest.raises(UsageError, match="is not a PNG picture"):
+        plot_runs([run_dir], precious, overwrite=True)
+    assert precious.read_bytes() == b"precious"
+    with pytest.raises(UsageError, match="inside the run folder"):
+        plot_runs([run_dir], run_dir / "mine.png")
 
 
 def test_plot_never_replaces_the_metrics_it_reads(tmp_path: Path) -> None:
@@ -482,10 +490,10 @@ def test_plot_cli_overwrite_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
     pytest.importorskip("matplotlib")
     run_dir = write_run(tmp_path, "one")
     out = tmp_path / "c.png"
-    out.write_bytes(b"precious")
+    out.write_bytes(PNG_SIGNATURE + b"precious")
     code, _, err = run_cli(capsys, ["plot", str(run_dir), "--out", str(out)])
     assert code == 2 and str(out) in err and "--overwrite" in err
-    assert len(err.strip().splitlines()) == 1 and out.read_bytes() == b"precious"
+    assert len(err.strip().splitlines()) == 1 and out.read_bytes() == PNG_SIGNATURE + b"precious"
     code, _, err = run_cli(capsys, ["plot", str(run_dir), "--out", str(out), "--overwrite"])
     assert code == 0, err
     assert out.read_bytes().startswith(PNG_SIGNATURE)

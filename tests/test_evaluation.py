@@ -56,7 +56,7 @@ def test_batch_sizes_below_one_are_usage_errors(
     args = [command, *target.get(command, ["caps"]), "--batch-size", size]
     code, _, err = run_cli(capsys, [*args])
     assert code == 2 and "--batch-size" in err and size in err, err
-    assert "must be >= 1" in err and len(err.strip().splitlines()) == 1
+    assert "expected an integer in [1, " in err and len(err.strip().splitlines()) == 1
 
 
 def test_evaluate_checkpoint_refuses_batch_size_zero(tiny_checkpoint) -> None:
@@ -86,3 +86,20 @@ def test_a_non_finite_loss_is_an_error_not_a_result(
     code, out, err = run_cli(capsys, ["eval", str(broken), "--device", "cpu", "--json"])
     assert code == 1 and out == "", out
     assert err.count("\n") == 1 and f"error: {broken}: the loss" in err, err
+
+
+def test_a_run_folder_reads_as_its_best_checkpoint(
+    tiny_checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval, predict, compare, export, inspect-routing and robustness read a ``capsctl train``
+    run folder alike: its best.safetensors (capsctl.checkpoint.resolve_checkpoint)."""
+    import json
+    import shutil
+
+    run = tmp_path / "runs" / "try"
+    run.mkdir(parents=True)
+    best = shutil.copy(tiny_checkpoint(), run / "best.safetensors")
+    code, out, err = run_cli(capsys, ["eval", f"{run}/", "--device", "cpu", "--json"])
+    assert code == 0, err
+    result, _ = evaluate_checkpoint(best, device="cpu")
+    assert json.loads(out)["accuracy"] == result.accuracy

@@ -27,6 +27,7 @@ from capsctl.config import Preset, preset_to_dict, resolve_config
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.export import ExportResult, default_output_path, export_checkpoint
 from capsctl.models import build_model_from_config
+from capsctl.outputs import EXPORT_SIDECAR, ONNX
 
 CLASSES = ["zero", "one", "two"]
 SIZE = 12
@@ -101,7 +102,7 @@ def onnx_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ExportR
     events: list[dict[str, Any]] = []
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        result = export_checkpoint(ckpt, "onnx", on_event=events.append)
+        result = export_checkpoint(ckpt, "onnx", folder / "tiny.onnx", on_event=events.append)
     return ckpt, result, printed.getvalue(), events
 
 
@@ -112,7 +113,9 @@ def onnx_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ExportR
 
 def test_onnx_parity_at_two_batch_sizes(onnx_export) -> None:
     ckpt, result, printed, events = onnx_export
-    assert result.path == ckpt.with_name("tiny.onnx") == default_output_path(ckpt, "onnx")
+    assert result.path == ckpt.with_name("tiny.onnx")
+    assert default_output_path(ckpt, "onnx") == Path("tiny.onnx")  # the current folder
+    assert ONNX.holds(result.path) and EXPORT_SIDECAR.holds(result.sidecar)  # --overwrite's
     assert result.format == "onnx"
     assert result.max_abs_diff is not None and result.max_abs_diff <= 1e-4
     assert result.checked_on == "4 synthetic images"
@@ -206,8 +209,9 @@ def test_safetensors_release_strips_training_state(tmp_path: Path) -> None:
     assert any(k.startswith("optim.") for k in header)
     assert "training_state" in read_metadata(ckpt)
 
-    result = export_checkpoint(ckpt, "safetensors")
-    assert result.path == tmp_path / "tiny.release.safetensors"
+    result = export_checkpoint(ckpt, "safetensors")  # the default: in the current folder
+    assert result.path == Path("tiny.release.safetensors")
+    assert not (tmp_path / "tiny.release.safetensors").exists()
     assert result.max_abs_diff == 0.0
     header, _ = read_header(result.path)
     assert header and all(k.startswith("model.") for k in header)
@@ -424,16 +428,21 @@ def test_the_checkpoint_header_is_read_once(
 
 def test_an_existing_output_is_refused_unless_overwrite(tmp_path: Path) -> None:
     ckpt = write_tiny_checkpoint(tmp_path / "run.safetensors", training_state=False)
-    resumable = write_tiny_checkpoint(tmp_path / "last.safetensors")  # a resumable checkpoint
+    resumable = write_tiny_checkpoint(tmp_path / "kept.safetensors")  # a resumable checkpoint
     before = resumable.read_bytes()
     with pytest.raises(UsageError) as info:
         export_checkpoint(ckpt, "safetensors", resumable)
     message = str(info.value)
     assert str(resumable) in message and "--overwrite" in message and "\n" not in message
+    with pytest.raises(UsageError, match="is not a weights-only capsctl checkpoint"):
+        export_checkpoint(ckpt, "safetensors", resumable, overwrite=True)  # not an export: kept
     assert resumable.read_bytes() == before
-    assert not (tmp_path / "last.safetensors.json").exists()
-    result = export_checkpoint(ckpt, "safetensors", resumable, overwrite=True)
-    assert result.path == resumable and resumable.read_bytes() != before
+    assert not (tmp_path / "kept.safetensors.json").exists()
+    release = export_checkpoint(ckpt, "safetensors", tmp_path / "r.safetensors").path
+    with pytest.raises(UsageError, match="--overwrite"):
+        export_checkpoint(ckpt, "safetensors", release)
+    result = export_checkpoint(ckpt, "safetensors", release, overwrite=True)  # an earlier export
+    assert result.path == release
 
 
 def test_an_existing_sidecar_or_default_output_is_refused(tmp_path: Path) -> None:

@@ -146,7 +146,9 @@ def test_folder_holds_three_files_and_weights_only(exported) -> None:
     ]
     assert sorted(p.name for p in folder.parent.iterdir()) == ["tiny-caps", "tiny.safetensors"]
     header, raw = read_header(folder / "model.safetensors")
-    assert raw == {"format": "pt"}
+    assert raw.keys() == {"format", "capsctl_config"} and raw["format"] == "pt"
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    assert json.loads(raw["capsctl_config"]) == config  # the weights' record of config.json
     stored = load_file(str(folder / "model.safetensors"))
     expected = {
         k[len("model.") :]: v for k, v in load_file(str(ckpt)).items() if k.startswith("model.")
@@ -181,8 +183,8 @@ def test_registered_model_is_named_architecture(tmp_path: Path) -> None:
         "classes": [str(i) for i in range(10)],
     }
     save_checkpoint(tmp_path / "m.safetensors", model_tensors(model), meta)
-    export_checkpoint(tmp_path / "m.safetensors", "hf")
-    config = json.loads((tmp_path / "m-hf" / "config.json").read_text())
+    export_checkpoint(tmp_path / "m.safetensors", "hf")  # the default: m-hf, in the current folder
+    config = json.loads((Path("m-hf") / "config.json").read_text())
     assert config["architecture"] == "mnist-caps"
     assert config["input_size"] == [1, 28, 28]
 
@@ -316,6 +318,8 @@ def test_incomplete_or_foreign_folders(exported, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="is a folder, not a checkpoint file"):
         read_metadata(tmp_path / "empty")
     bad = copy_folder(folder, tmp_path / "bad")
+    weights = bad / "model.safetensors"  # exported before the record: config.json is read
+    save_file(load_file(str(weights)), str(weights), metadata={"format": "pt"})
     config = json.loads((bad / "config.json").read_text())
     config["input_size"] = [1, 12]
     (bad / "config.json").write_text(json.dumps(config))
@@ -325,6 +329,74 @@ def test_incomplete_or_foreign_folders(exported, tmp_path: Path) -> None:
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="has no model_config"):
         read_metadata(bad)
+
+
+#: Edits of config.json that contradict the weights' record, by the key the error names.
+CONTRADICTIONS = {
+    "label_names": lambda c: c.update(label_names=list(reversed(c["label_names"]))),
+    "mean": lambda c: c.update(mean=[0.9]),
+    "std": lambda c: c.update(std=[2.0]),
+    "num_classes": lambda c: c.update(num_classes=4),
+    "model_config.router.iterations": lambda c: c["model_config"]["router"].update(iterations=3),
+    "preset.data.normalization": lambda c: c["preset"]["data"].update(normalization="none"),
+    "test.accuracy": lambda c: c["test"].update(accuracy=0.999),
+}
+
+
+@pytest.mark.parametrize("key", list(CONTRADICTIONS))
+def test_a_config_json_contradicting_its_weights_is_the_same_error_everywhere(
+    exported, tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str
+) -> None:
+    """The weights' record is the source of truth; predict used edited labels and
+    normalization where eval did not (issue 37, M5)."""
+    from PIL import Image
+
+    _, folder = exported
+    edited = copy_folder(folder, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text(encoding="utf-8"))
+    CONTRADICTIONS[key](config)
+    (edited / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    image = tmp_path / "x.png"
+    Image.new("L", (SIZE, SIZE), 128).save(image)
+    commands = [
+        ["predict", str(edited), str(image), "--device", "cpu"],
+        ["eval", str(edited), "--device", "cpu"],
+        ["compare", str(edited)],
+        ["export", str(edited), "--format", "safetensors", "--out", str(tmp_path / "x.st")],
+    ]
+    errors = set()
+    for args in commands:
+        code, _, err = run_cli(capsys, args)
+        assert code == 1 and len(err.strip().splitlines()) == 1, (args, err)
+        errors.add(err.strip())
+    assert len(errors) == 1, errors  # one line, the same from every command
+    message = errors.pop()
+    assert f"{edited / 'config.json'}: {key} differs from the copy recorded in" in message
+    with pytest.raises(CheckpointError) as info:
+        capsctl.from_pretrained(edited)
+    assert str(info.value) in message
+
+
+def test_extra_keys_in_config_json_are_ignored(exported, tmp_path: Path) -> None:
+    _, folder = exported
+    edited = copy_folder(folder, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text(encoding="utf-8"))
+    config["tags"] = ["capsules"]
+    (edited / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    assert read_metadata(edited) == read_metadata(folder)
+
+
+def test_a_folder_exported_before_the_record_reads_config_json(exported, tmp_path: Path) -> None:
+    _, folder = exported
+    old = copy_folder(folder, tmp_path / "old")
+    weights = old / "model.safetensors"
+    save_file(load_file(str(weights)), str(weights), metadata={"format": "pt"})
+    assert read_metadata(old) == read_metadata(folder)
+    config = json.loads((old / "config.json").read_text(encoding="utf-8"))
+    config["num_classes"] = 4  # contradicts model_config, which the model is built from
+    (old / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(CheckpointError, match="config.json: num_classes is 4, not model_config"):
+        read_metadata(old)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,9 +418,12 @@ def test_existing_folders(exported, tmp_path: Path) -> None:
         export_checkpoint(ckpt, "hf", taken)
     assert str(taken) in str(info.value)
     assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    with pytest.raises(UsageError, match="is not an exported model folder"):
+        export_checkpoint(ckpt, "hf", taken, overwrite=True)  # not a model folder: kept
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
 
-    export_checkpoint(ckpt, "hf", taken, overwrite=True)
-    assert sorted(p.name for p in taken.iterdir()) == [
+    export_checkpoint(ckpt, "hf", empty, overwrite=True)  # an earlier model folder: replaced
+    assert sorted(p.name for p in empty.iterdir()) == [
         "README.md",
         "config.json",
         "model.safetensors",
@@ -362,9 +437,8 @@ def test_failed_replace_keeps_the_old_folder(
     import os
 
     ckpt, _ = exported
-    taken = tmp_path / "taken"
-    taken.mkdir()
-    (taken / "notes.txt").write_text("keep me")
+    taken = export_checkpoint(ckpt, "hf", tmp_path / "taken").path  # an earlier export
+    before = {p.name: p.read_bytes() for p in taken.iterdir()}
     real = os.rename
 
     def fail_publish(src: Any, dst: Any) -> None:
@@ -375,7 +449,7 @@ def test_failed_replace_keeps_the_old_folder(
     monkeypatch.setattr(os, "rename", fail_publish)
     with pytest.raises(CapsctlError, match="No space left on device; nothing was changed"):
         export_checkpoint(ckpt, "hf", taken, overwrite=True)
-    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    assert {p.name: p.read_bytes() for p in taken.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]
 
 
@@ -394,9 +468,9 @@ def test_parity_failure_writes_nothing(
     ckpt, _ = exported
     real = hf_export._weights_bytes
 
-    def perturbed(state: dict[str, torch.Tensor], path: Path) -> bytes:
+    def perturbed(state: dict[str, torch.Tensor], *args: Any) -> bytes:
         name = next(k for k, v in state.items() if v.is_floating_point() and v.numel() > 1)
-        return real({**state, name: state[name] * 1.5}, path)
+        return real({**state, name: state[name] * 1.5}, *args)
 
     monkeypatch.setattr(hf_export, "_weights_bytes", perturbed)
     with pytest.raises(CapsctlError, match=r"hf export does not match PyTorch"):
@@ -546,8 +620,59 @@ def test_hub_id_without_huggingface_hub(tmp_path: Path, monkeypatch: pytest.Monk
     )
 
 
+@pytest.fixture
+def hub_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The Hub ids from_pretrained asked the Hub for (it never gets there in tests)."""
+    import capsctl.hub
+
+    calls: list[str] = []
+
+    def from_hub(repo_id: str, **kwargs: Any) -> Path:
+        calls.append(repo_id)
+        raise CheckpointError(f"{repo_id}: the Hub was asked")
+
+    monkeypatch.setattr(capsctl.hub, "_from_hub", from_hub)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "./my-model/",
+        "./my-model",
+        "my-model/",
+        "runs/x",  # runs/ is a local folder here
+        "runs/x/best.safetensors",
+        "org/name.safetensors",
+        "~/capsctl-no-such-model",
+        "../elsewhere/model",
+        "a/b/c",
+    ],
+)
+def test_a_missing_local_path_is_never_a_hub_id(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hub_calls: list[str]
+) -> None:
+    """from_pretrained('./my-model/') asked the Hub (issue 37, L5)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(CheckpointError) as info:
+        capsctl.from_pretrained(name)
+    assert str(info.value).startswith(f"no such file or folder: {name}"), info.value
+    assert "\n" not in str(info.value) and hub_calls == []
+
+
+def test_only_an_owner_name_id_goes_to_the_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hub_calls: list[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="the Hub was asked"):
+        capsctl.from_pretrained("capsctl-org/tiny-caps")
+    assert hub_calls == ["capsctl-org/tiny-caps"]
+
+
 def test_missing_local_path(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="does not exist; pass a model folder"):
+    with pytest.raises(CheckpointError, match="^no such file or folder: .*nope; pass a model"):
         capsctl.from_pretrained(tmp_path / "nope")
     with pytest.raises(UsageError, match="applies to Hub ids only"):
         capsctl.from_pretrained(tmp_path, revision="main")
@@ -566,5 +691,12 @@ def test_cli_hf_export_into_a_taken_folder_needs_overwrite(
     err = capsys.readouterr().err
     assert info.value.code == 1 and str(taken) in err and "--overwrite" in err
     assert [p.name for p in taken.iterdir()] == ["notes.txt"]
-    main([*args, "--overwrite", "--json"])
-    assert (taken / "config.json").is_file() and not (taken / "notes.txt").exists()
+    with pytest.raises(SystemExit) as info:  # not a model folder: kept even with --overwrite
+        main([*args, "--overwrite"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "not an exported model folder" in err
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"]
+    (taken / "notes.txt").unlink()
+    main([*args, "--json"])
+    main([*args, "--overwrite", "--json"])  # an earlier model folder: replaced
+    assert (taken / "config.json").is_file()

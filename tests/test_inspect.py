@@ -619,8 +619,12 @@ def test_an_existing_dump_is_replaced_only_with_overwrite(model, tmp_path: Path)
     with pytest.raises(UsageError) as info:
         inspect_checkpoint(ckpt, random=2, dump=dump)
     assert str(info.value) == f"--dump {dump}: exists; pass --overwrite to replace it"
+    with pytest.raises(UsageError, match="is not a routing dump"):  # not one: kept, always
+        inspect_checkpoint(ckpt, random=2, dump=dump, overwrite=True)
     assert dump.read_text() == "my own file"
-    inspect_checkpoint(ckpt, random=2, dump=dump, overwrite=True)
+    dump.unlink()
+    inspect_checkpoint(ckpt, random=2, dump=dump)
+    inspect_checkpoint(ckpt, random=2, dump=dump, overwrite=True)  # an earlier dump: replaced
     with safe_open(str(dump), "pt") as f:
         assert f.metadata()["format"] == "capsctl-routing"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.safetensors", "tiny.safetensors"]
@@ -645,8 +649,14 @@ def test_existing_pictures_are_replaced_only_with_overwrite_the_checkpoint_never
     with pytest.raises(UsageError, match="is the checkpoint being inspected; choose another"):
         inspect_checkpoint(inside, random=2, png_dir=png, overwrite=True)
     assert inside.read_bytes() == ckpt.read_bytes()
+    with pytest.raises(UsageError, match="is not a PNG picture"):  # foreign: kept, always
+        inspect_checkpoint(ckpt, random=2, png_dir=png, overwrite=True)
+    assert inside.read_bytes() == ckpt.read_bytes() and path.read_text() == "my own picture"
+    for earlier in (inside, path):  # earlier pictures are replaced with --overwrite
+        earlier.write_bytes(b"\x89PNG\r\n\x1a\n an earlier picture")
     result = inspect_checkpoint(ckpt, random=2, png_dir=png, overwrite=True)
     assert len(result.written) == 2 * 2 + 2 and path.read_bytes().startswith(b"\x89PNG")
+    assert len(path.read_bytes()) > 100
 
 
 def test_the_command_refuses_to_dump_over_its_checkpoint(
@@ -666,8 +676,8 @@ def test_the_command_refuses_to_dump_over_its_checkpoint(
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--random", "-1"], ["--random -1", "at least 1"]),
-        (["--random", "0"], ["--random 0", "at least 1"]),
+        (["--random", "-1"], ["--random -1", "an integer in [1, "]),
+        (["--random", "0"], ["--random 0", "an integer in [1, "]),
         (["--indices", "5-2"], ["--indices 5-2", "write it as 2-5"]),
     ],
 )

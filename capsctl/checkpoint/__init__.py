@@ -28,6 +28,7 @@ from capsctl.checkpoint.load import (
     model_config,
     model_from_tensors,
     read_metadata,
+    resolve_checkpoint,
     stored_preset,
 )
 from capsctl.checkpoint.state import (
@@ -59,6 +60,7 @@ __all__ = [
     "pack_training_state",
     "read_header",
     "read_metadata",
+    "resolve_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
     "stored_preset",

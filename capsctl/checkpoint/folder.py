@@ -4,7 +4,8 @@ A model folder (written by :func:`capsctl.export.hf.export_model_folder`) holds:
 
 * ``model.safetensors``: the weights only, under the model's ``state_dict()`` names (no
   ``model.`` prefix, no optimizer or RNG state), with the safetensors metadata
-  ``{"format": "pt"}`` that other readers expect;
+  ``{"format": "pt"}`` that other readers expect and ``capsctl_config``, a record of
+  ``config.json`` (:func:`weights_metadata`): the folder's source of truth;
 * ``config.json``: the model and its preprocessing as data. The keys timm reads are at the top
   level: ``architecture`` (the registered model name when the configuration is exactly a
   registered one, else the ``arch``), ``num_classes``, ``input_size`` (``[C, H, W]``),
@@ -16,8 +17,10 @@ A model folder (written by :func:`capsctl.export.hf.export_model_folder`) holds:
   ``split`` and ``dataset``, ``test_name``, ...), except the training state;
 * ``README.md``: a model card (:mod:`capsctl.export.card`).
 
-A folder reads like a weights-only checkpoint: :func:`read_folder_metadata` rebuilds the
-checkpoint metadata from ``config.json`` (:func:`metadata_from_config`) and
+A folder reads like a weights-only checkpoint: :func:`read_folder` rebuilds the checkpoint
+metadata from the record (:func:`metadata_from_config`), refusing a ``config.json`` that
+contradicts it (edited labels or normalization would otherwise reach some commands and not
+others), and
 :func:`load_folder_tensors` returns the weights under ``model.`` names. Loading is strict
 (:func:`check_folder_state`): a tensor missing from ``model.safetensors`` or one the model does
 not have is an error naming it.
@@ -50,11 +53,15 @@ __all__ = [
     "config_from_metadata",
     "load_folder_tensors",
     "metadata_from_config",
+    "read_folder",
     "read_folder_metadata",
+    "weights_metadata",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+#: The safetensors metadata entry of ``model.safetensors`` that records ``config.json``.
+RECORD_KEY = "capsctl_config"
 
 #: Checkpoint metadata entries that a weights-only folder does not carry.
 _DROPPED = ("training_state", "partial", "format")
@@ -129,6 +136,12 @@ def config_from_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
     return config
 
 
+def weights_metadata(config: Mapping[str, Any]) -> dict[str, str]:
+    """The safetensors metadata of ``model.safetensors``: ``format: pt`` (what other readers
+    expect) and the record of ``config``, the folder's source of truth (:func:`read_folder`)."""
+    return {"format": "pt", RECORD_KEY: json.dumps(config, ensure_ascii=False, default=str)}
+
+
 def _bad_config(path: Path, key: str, what: str) -> CheckpointError:
     return CheckpointError(
         f"{path}: {key} {what}; the folder is damaged or was not written by capsctl: "
@@ -187,6 +200,10 @@ def metadata_from_config(config: Mapping[str, Any], path: Path) -> dict[str, Any
         or (isinstance(num_classes, int) and len(labels) != num_classes)
     ):
         raise _bad_config(path, "label_names", f"is not a list of {num_classes} class names")
+    if "num_classes" in config and config["num_classes"] != num_classes:
+        raise _bad_config(
+            path, "num_classes", f"is {config['num_classes']!r}, not model_config's {num_classes}"
+        )
     preset = config.get("preset")
     preset = dict(preset) if isinstance(preset, dict) else {}
     preset["model"] = raw_model
@@ -214,8 +231,8 @@ def _folder_files(folder: Path) -> tuple[Path, Path]:
     if not has_weights and not has_config:
         raise CheckpointError(
             f"{folder} is a folder, not a checkpoint file or a model folder (it has no "
-            f"{CONFIG_NAME} and {WEIGHTS_NAME}); pass a .safetensors checkpoint or a folder "
-            "written by capsctl export --format hf"
+            f"{CONFIG_NAME} and {WEIGHTS_NAME}); pass a .safetensors checkpoint, a run folder "
+            "of capsctl train or a folder written by capsctl export --format hf"
         )
     if not has_config or not has_weights:
         missing = CONFIG_NAME if not has_config else WEIGHTS_NAME
@@ -226,12 +243,7 @@ def _folder_files(folder: Path) -> tuple[Path, Path]:
     return weights, config
 
 
-def read_folder_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint metadata of a model folder (from its ``config.json``; no tensor is read).
-
-    The weights file's header is validated too, so a damaged folder is reported here.
-    """
-    weights, config_path = _folder_files(Path(folder))
+def _read_config(config_path: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -241,8 +253,74 @@ def read_folder_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     if not isinstance(config, dict):
         raise _bad_config(config_path, "the file", "is not a JSON object")
-    read_header(weights)
-    return metadata_from_config(config, config_path)
+    return config
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _first_difference(mirror: Any, record: Any, key: str) -> str | None:
+    """The dotted key of the first value ``mirror`` (config.json) holds unlike ``record``."""
+    if isinstance(mirror, dict) and isinstance(record, dict):
+        for k in record:
+            found = _first_difference(mirror.get(k), record[k], f"{key}.{k}")
+            if found is not None:
+                return found
+        return None
+    return None if _json_text(mirror) == _json_text(record) else key
+
+
+def _recorded_config(weights: Path, raw: Mapping[str, str]) -> dict[str, Any] | None:
+    """The config.json recorded in ``model.safetensors`` (None: a folder exported before)."""
+    text = raw.get(RECORD_KEY)
+    if text is None:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"{weights}: its {RECORD_KEY} entry is not a JSON object; the folder is damaged: "
+            "export it again"
+        )
+    return record
+
+
+def read_folder(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """The checkpoint metadata of a model folder and its weights' shapes (from the header; no
+    tensor is read).
+
+    The source of truth is the copy of ``config.json`` recorded in ``model.safetensors`` (see
+    :func:`weights_metadata`): ``config.json`` mirrors it for the Hub and other readers, and a
+    value it holds otherwise (edited labels, normalization, model) is a one-line error naming
+    the key. Extra keys in ``config.json`` are ignored. Folders exported before the record
+    existed are read from ``config.json``.
+    """
+    weights, config_path = _folder_files(Path(folder))
+    config = _read_config(config_path)
+    header, raw = read_header(weights)
+    record = _recorded_config(weights, raw)
+    if record is None:
+        meta = metadata_from_config(config, config_path)
+    else:
+        differences = (_first_difference(config.get(k), v, k) for k, v in record.items())
+        key = next((k for k in differences if k is not None), None)
+        if key is not None:
+            raise CheckpointError(
+                f"{config_path}: {key} differs from the copy recorded in {WEIGHTS_NAME} (the "
+                "weights' own record); config.json was edited or belongs to other weights: "
+                "restore it or export the folder again"
+            )
+        meta = metadata_from_config(record, config_path)  # config.json's extra keys: unread
+    shapes = {name: info["shape"] for name, info in header.items()}
+    return meta, shapes
+
+
+def read_folder_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint metadata of a model folder (:func:`read_folder`; no tensor is read)."""
+    return read_folder(folder)[0]
 
 
 def load_folder_tensors(

@@ -2,7 +2,13 @@
 
 Every reader takes a checkpoint file (:mod:`capsctl.checkpoint.format`) or a model folder
 (:mod:`capsctl.checkpoint.folder`): a folder reads like a weights-only checkpoint, its metadata
-rebuilt from ``config.json`` and its tensors under ``model.`` names.
+rebuilt from ``config.json`` and its tensors under ``model.`` names. Commands pass what the
+user named through :func:`resolve_checkpoint` first, so that a run folder of ``capsctl train``
+stands for its ``best.safetensors`` everywhere.
+
+:func:`read_metadata` checks every stored value before anything is built or sized from it
+(:func:`check_stored_values`, :mod:`capsctl.checkpoint.stored`): a forged file is one line
+naming the file and the field, never a hang or a huge allocation.
 
 To read a file's header once, read the metadata first and pass it on:
 ``meta = read_metadata(path)`` then ``load_checkpoint(path, metadata=meta)``.
@@ -11,13 +17,18 @@ To read a file's header once, read the metadata first and pass it on:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from capsctl.checkpoint.folder import check_folder_state, load_folder_tensors, read_folder_metadata
+from capsctl.checkpoint.folder import (
+    CONFIG_NAME,
+    check_folder_state,
+    load_folder_tensors,
+    read_folder,
+)
 from capsctl.checkpoint.format import (
     MODEL_PREFIX,
     decode_metadata,
@@ -25,6 +36,8 @@ from capsctl.checkpoint.format import (
     read_header,
     state_mismatch,
 )
+from capsctl.checkpoint.shipped import shipped_or_path
+from capsctl.checkpoint.stored import check_entries, header_state, implied_model
 from capsctl.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -33,21 +46,71 @@ __all__ = [
     "model_config",
     "model_from_tensors",
     "read_metadata",
+    "resolve_checkpoint",
     "stored_preset",
 ]
+
+#: The checkpoints of a ``capsctl train`` run folder: the one commands read, and the other.
+RUN_BEST, RUN_LAST = "best.safetensors", "last.safetensors"
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint a command reads for ``path``: a run folder of ``capsctl train`` (a folder
+    without ``config.json`` holding ``best.safetensors``) stands for its ``best.safetensors``;
+    anything else is returned as it is (a file, a model folder, a missing path: reported by
+    whoever reads it). A run folder with only ``last.safetensors`` is a one-line error. A
+    shipped name (``capsctl weights``) that is not an existing path stands for its file."""
+    path = shipped_or_path(path)
+    if not path.is_dir() or (path / CONFIG_NAME).exists():
+        return path
+    if (path / RUN_BEST).is_file():
+        return path / RUN_BEST
+    if (path / RUN_LAST).is_file():
+        raise CheckpointError(
+            f"{path} is a run folder without {RUN_BEST} (training stopped before its first "
+            f"validation); pass {path / RUN_LAST} to use its last epoch"
+        )
+    return path
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The decoded metadata of a capsctl checkpoint (without the ``format`` marker).
 
-    The file's header is validated. For a model folder: the metadata rebuilt from its
-    ``config.json``.
+    The file's header is validated, and so is every stored value that sizes anything later
+    (:func:`check_stored_values`). For a model folder: the metadata rebuilt from its
+    ``config.json``, checked against the copy in its weights file.
     """
     path = Path(path)
     if path.is_dir():
-        return read_folder_metadata(path)
-    _, raw = read_header(path)
-    return decode_metadata(path, raw)
+        meta, shapes = read_folder(path)
+    else:
+        header, raw = read_header(path)
+        meta = decode_metadata(path, raw)
+        prefix = len(MODEL_PREFIX)
+        shapes = {k[prefix:]: v["shape"] for k, v in header.items() if k.startswith(MODEL_PREFIX)}
+    check_stored_values(path, meta, shapes)
+    return meta
+
+
+def check_stored_values(
+    path: Path, meta: Mapping[str, Any], shapes: Mapping[str, Sequence[int]]
+) -> None:
+    """Refuse a checkpoint whose stored values would size anything wrongly, before anything is
+    built: its preset against the schema and its limits, its top-level entries against its
+    model, and the parameter shapes the model implies (on the meta device) against ``shapes``
+    (the header's, under ``state_dict()`` names). Metadata without a preset (training state
+    alone) passes: :func:`model_config` reports it where a model is needed."""
+    if "preset" not in meta:
+        return
+    cfg = model_config(path, meta)
+    stored_preset(meta, path)
+    check_entries(path, meta, cfg)
+    model = implied_model(path, cfg)
+    state = header_state(model, shapes)
+    if path.is_dir():
+        check_folder_state(path, model, state)
+    else:
+        _check_state(path, model, state)
 
 
 def load_tensors(
@@ -66,13 +129,19 @@ def load_tensors(
 
 
 def stored_preset(metadata: Mapping[str, Any], path: str | os.PathLike[str]) -> Any:
-    """The resolved :class:`~capsctl.config.Preset` a checkpoint was trained with."""
+    """The resolved :class:`~capsctl.config.Preset` a checkpoint was trained with.
+
+    Without its ``data.data_dir``: a path read from a file never says where data is read or
+    downloaded (``--data-dir``, ``$CAPSCTL_DATA`` or the user cache do; the training machine's
+    folder may not exist here, or be anything in a file from elsewhere)."""
     from capsctl.config import preset_from_dict
 
     try:
-        return preset_from_dict(stored_defaults(metadata["preset"]))
+        preset = preset_from_dict(stored_defaults(metadata["preset"]))
     except (KeyError, TypeError, ConfigError) as e:
         raise CheckpointError(f"{path}: its stored preset is unusable ({e})") from None
+    preset.data.data_dir = None
+    return preset
 
 
 #: Router parameters whose default changed, with the value a stored configuration that does not
@@ -113,8 +182,8 @@ def model_config(path: str | os.PathLike[str], metadata: Mapping[str, Any] | Non
         )
     except ConfigError as e:
         raise CheckpointError(
-            f"{path}: its stored model configuration is invalid ({e}); it may come from another "
-            "capsctl version"
+            f"{path}: its stored model configuration is invalid ({e}); the file is damaged, "
+            "forged or from another capsctl version"
         ) from None
 
 

@@ -5,7 +5,6 @@ torch is imported only inside commands, so ``capsctl --help`` stays fast.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Annotated
 
@@ -14,7 +13,7 @@ import typer
 from capsctl.errors import CapsctlError
 from capsctl.version import __version__
 
-__all__ = ["JsonOpt", "app", "main"]
+__all__ = ["OUTPUTS", "JsonOpt", "app", "main"]
 
 app = typer.Typer(
     name="capsctl",
@@ -30,6 +29,11 @@ _state = {"debug": False}
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout and nothing else.")
 ]
+
+#: The help panel of every option that names a path a command writes (``rich_help_panel``);
+#: tests/test_output_sweep.py finds the output options by it. Each such path is checked by
+#: :func:`capsctl.atomic.check_output` with its kind of output.
+OUTPUTS = "Outputs"
 
 
 def _version(value: bool) -> None:
@@ -50,7 +54,10 @@ def _main(
         ),
     ] = False,
 ) -> None:
-    _state["debug"] = debug or os.environ.get("CAPSCTL_DEBUG", "") not in ("", "0")
+    from capsctl.environment import check_environment, switch
+
+    check_environment()  # every CAPSCTL_* variable, before any work
+    _state["debug"] = debug or switch("CAPSCTL_DEBUG", default=False)
     from capsctl.memory import keep_freed_memory
     from capsctl.threads import short_omp_spin
 
@@ -79,6 +86,22 @@ def _log_to_stderr() -> None:
     log.propagate = False
 
 
+#: The longest error message shown whole. Messages are one short line, but one naming long
+#: paths may exceed 200 characters; a longer one (a fault: a listing, a nested message) is cut.
+MAX_ERROR_CHARS = 1000
+
+
+def short_line(message: str) -> str:
+    """``message`` as one line of at most :data:`MAX_ERROR_CHARS` characters: its start and its
+    end (what to do) kept, the middle cut."""
+    if "\n" not in message and len(message) <= MAX_ERROR_CHARS:
+        return message
+    text = " ".join(message.split())
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:700]} ... (--debug shows the whole message) ... {text[-200:]}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one-line errors on stderr, exit code 1 (usage 2); --debug shows tracebacks."""
     debug_flag = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -95,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         from capsctl.views.common import error
 
-        error(str(e))
+        error(short_line(str(e)))
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         if _state["debug"] or debug_flag:
@@ -116,5 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         from capsctl.views.common import error
 
-        error(f"{type(e).__name__}: {e} (run with --debug for the traceback)")
+        text = " ".join(str(e).split())  # one line, however long or many-lined the message
+        text = text if len(text) <= 160 else text[:157] + "..."
+        error(f"{type(e).__name__}: {text} (run with --debug for the traceback)")
         sys.exit(1)

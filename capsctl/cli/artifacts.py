@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from capsctl.cli.app import JsonOpt, app
+from capsctl.cli.app import OUTPUTS, JsonOpt, app
 from capsctl.cli.inputs import require_input
 from capsctl.curves.plot import known_metrics
+from capsctl.numbers import MAX_COUNT, MAX_IMAGES, MAX_ITERATIONS, Float, Int, Ints
 
 
 @app.command("export")
@@ -26,7 +28,13 @@ def export_cmd(
         ),
     ] = "onnx",
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Output file (default: beside CKPT).")
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output file, or folder for hf (default: CKPT's name in the current folder).",
+            rich_help_panel=OUTPUTS,
+        ),
     ] = None,
     data_dir: Annotated[
         str | None,
@@ -36,10 +44,19 @@ def export_cmd(
         ),
     ] = None,
     check_images: Annotated[
-        int, typer.Option("--check-images", help="Test images to check parity on.")
+        int,
+        typer.Option(
+            "--check-images",
+            help="Test images to check parity on.",
+            parser=Int("--check-images", 1, MAX_IMAGES),
+        ),
     ] = 16,
     tolerance: Annotated[
-        float, typer.Option(help="Largest allowed |exported - eager| (float32).")
+        float,
+        typer.Option(
+            help="Largest allowed |exported - eager| (float32).",
+            parser=Float("--tolerance", 0, 1),
+        ),
     ] = 1e-4,
     overwrite: Annotated[
         bool,
@@ -81,28 +98,50 @@ def inspect_cmd(
         str, typer.Option(help="Dataset split the --indices refer to: train, val or test.")
     ] = "test",
     indices: Annotated[
-        str | None, typer.Option(help="Images of the split, e.g. 0,3,10-12 (default 0-7).")
+        Sequence[int] | None,
+        typer.Option(
+            help="Images of the split, e.g. 0,3,10-12 (default 0-7).",
+            parser=Ints("--indices", 0, MAX_IMAGES, ranges=True),
+            metavar="<indices>",
+        ),
     ] = None,
     image: Annotated[
         list[Path] | None, typer.Option("--image", help="Image file(s) instead of the dataset.")
     ] = None,
     random: Annotated[
-        int | None, typer.Option(help="A seeded random batch of N images instead.")
+        int | None,
+        typer.Option(
+            help="A seeded random batch of N images instead.",
+            parser=Int("--random", 1, MAX_IMAGES),
+        ),
     ] = None,
     data_dir: Annotated[
         str | None, typer.Option("--data-dir", help="Where the dataset lives.")
     ] = None,
-    iterations: Annotated[int | None, typer.Option(help="Override T.")] = None,
+    iterations: Annotated[
+        int | None,
+        typer.Option(help="Override T.", parser=Int("--iterations", 1, MAX_ITERATIONS)),
+    ] = None,
     routing: Annotated[
         str | None, typer.Option(help="Override routing: concurrent or sequential.")
     ] = None,
-    top: Annotated[int, typer.Option(help="How many parents/children to list.")] = 5,
+    top: Annotated[
+        int,
+        typer.Option(help="How many parents/children to list.", parser=Int("--top", 1, MAX_COUNT)),
+    ] = 5,
     dump: Annotated[
-        Path | None, typer.Option("--dump", help="Write raw coefficients to FILE.safetensors.")
+        Path | None,
+        typer.Option(
+            "--dump", help="Write raw coefficients to FILE.safetensors.", rich_help_panel=OUTPUTS
+        ),
     ] = None,
     png: Annotated[
         Path | None,
-        typer.Option("--png", help="Write heatmaps and overlays to DIR (needs capsctl[plot])."),
+        typer.Option(
+            "--png",
+            help="Write heatmaps and overlays to DIR (needs capsctl[plot]).",
+            rich_help_panel=OUTPUTS,
+        ),
     ] = None,
     overwrite: Annotated[
         bool,
@@ -149,8 +188,9 @@ def plot_cmd(
         typer.Option(
             "--out",
             "-o",
-            help="Picture to write (.png, .svg or .pdf). Default: curves.png in the run folder "
-            "for one run, in the current folder for several.",
+            help="Picture to write (.png, .svg or .pdf). Default: curves.png in the current "
+            "folder (a run folder keeps its own curves.png).",
+            rich_help_panel=OUTPUTS,
         ),
     ] = None,
     metric: Annotated[

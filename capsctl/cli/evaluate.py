@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +10,7 @@ import typer
 from capsctl.cli.app import JsonOpt, app
 from capsctl.cli.inputs import require_input
 from capsctl.errors import UsageError
+from capsctl.numbers import MAX_BATCH, MAX_COUNT, Int
 
 
 @app.command("eval")
@@ -18,7 +18,9 @@ def eval_cmd(
     ckpt: Annotated[Path, typer.Argument(help="A capsctl .safetensors checkpoint.")],
     data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where datasets live.")] = None,
     split: Annotated[str, typer.Option(help="val or test.")] = "test",
-    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b")] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", "-b", parser=Int("--batch-size", 1, MAX_BATCH))
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
     test_file: Annotated[
         str | None, typer.Option("--test-file", help="Test file of an npz folder (e.g. test-jpeg).")
@@ -33,7 +35,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a checkpoint: top-1/top-5, per-class accuracy, confusion matrix, loss, speed."""
     from capsctl.evaluation import evaluate_checkpoint
-    from capsctl.views.common import print_json
+    from capsctl.views.common import print_json, print_plain
     from capsctl.views.evaluation import eval_csv, print_evaluation
     from capsctl.views.progress import simple_progress
 
@@ -53,7 +55,7 @@ def eval_cmd(
     if json_out:
         print_json({"checkpoint": str(ckpt), "epoch": meta.get("epoch"), **res.to_dict()})
     elif csv_out:
-        sys.stdout.write(eval_csv(str(ckpt), meta, res.to_dict()))
+        print_plain(eval_csv(str(ckpt), meta, res.to_dict()))
     else:
         print_evaluation(str(ckpt), meta, res)
 
@@ -68,13 +70,24 @@ def predict_cmd(
             "(their image files, not recursive) or quoted glob patterns ('imgs/**/*.png')."
         ),
     ],
-    top_k: Annotated[int, typer.Option("--top-k", "-k", help="Classes shown per image.")] = 5,
+    top_k: Annotated[
+        int,
+        typer.Option(
+            "--top-k", "-k", help="Classes shown per image.", parser=Int("--top-k", 1, MAX_COUNT)
+        ),
+    ] = 5,
     skip_bad: Annotated[
         bool,
         typer.Option("--skip-bad", help="Warn about unreadable or missing images and go on."),
     ] = False,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", "-b", help="Images per forward pass.")
+        int,
+        typer.Option(
+            "--batch-size",
+            "-b",
+            help="Images per forward pass.",
+            parser=Int("--batch-size", 1, MAX_BATCH),
+        ),
     ] = 64,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
     json_out: JsonOpt = False,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
 
 from capsctl.cli.app import JsonOpt, app
 from capsctl.errors import UsageError
+from capsctl.numbers import MAX_BATCH, MAX_COUNT, MAX_ITERATIONS, MAX_STEPS, Int
 
 
 @app.command("bench")
@@ -16,17 +16,35 @@ def bench_cmd(
     models: Annotated[
         list[str], typer.Argument(help="Registered model names (see capsctl models).")
     ],
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = 32,
-    iters: Annotated[int, typer.Option(help="Timed steps per model (median reported).")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed warm-up steps.")] = 1,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", "-b", parser=Int("--batch-size", 1, MAX_BATCH))
+    ] = 32,
+    iters: Annotated[
+        int,
+        typer.Option(
+            help="Timed steps per model (median reported).", parser=Int("--iters", 1, MAX_STEPS)
+        ),
+    ] = 5,
+    warmup: Annotated[
+        int, typer.Option(help="Untimed warm-up steps.", parser=Int("--warmup", 0, MAX_STEPS))
+    ] = 1,
     train: Annotated[bool, typer.Option("--train", help="Only the training step.")] = False,
     infer: Annotated[bool, typer.Option("--infer", help="Only inference.")] = False,
     device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
-    iterations: Annotated[int | None, typer.Option(help="Override T of capsule models.")] = None,
+    iterations: Annotated[
+        int | None,
+        typer.Option(
+            help="Override T of capsule models.",
+            parser=Int("--iterations", 1, MAX_ITERATIONS),
+        ),
+    ] = None,
     routing: Annotated[
         str | None, typer.Option(help="Override routing: concurrent or sequential.")
     ] = None,
-    threads: Annotated[int | None, typer.Option(help="torch intra-op threads.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="torch intra-op threads.", parser=Int("--threads", 1, MAX_COUNT)),
+    ] = None,
     amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
     channels_last: Annotated[
         bool, typer.Option("--channels-last", help="channels_last memory format.")
@@ -45,7 +63,7 @@ def bench_cmd(
 ) -> None:
     """Median training-step time, inference images/s and peak memory per model, in one process."""
     from capsctl.bench import rows_to_csv, rows_to_json, run_bench
-    from capsctl.views.common import print_json
+    from capsctl.views.common import print_json, print_plain
     from capsctl.views.measure import print_bench
     from capsctl.views.progress import simple_progress
 
@@ -77,7 +95,7 @@ def bench_cmd(
     if json_out:
         print_json(rows_to_json(rows, {"iters": iters}))
     elif csv_out:
-        sys.stdout.write(rows_to_csv(rows))
+        print_plain(rows_to_csv(rows))
     else:
         print_bench(rows, batch_size, iters)
 
@@ -102,8 +120,18 @@ def compare_cmd(
     speed: Annotated[
         bool, typer.Option("--speed", help="Also measure speed and memory (capsctl bench).")
     ] = False,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="Batch for --speed.")] = 32,
-    iters: Annotated[int, typer.Option(help="Timed steps for --speed.")] = 3,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            "--batch-size",
+            "-b",
+            help="Batch for --speed.",
+            parser=Int("--batch-size", 1, MAX_BATCH),
+        ),
+    ] = 32,
+    iters: Annotated[
+        int, typer.Option(help="Timed steps for --speed.", parser=Int("--iters", 1, MAX_STEPS))
+    ] = 3,
     device: Annotated[str, typer.Option(help="Device for --speed and --eval.")] = "cpu",
     eval_: Annotated[
         bool, typer.Option("--eval", help="Recompute checkpoints' accuracy on the test split.")
@@ -117,7 +145,7 @@ def compare_cmd(
     """Parameters, GFLOPs, speed and accuracy side by side, with ratios against resnet18."""
     from capsctl.compare import compare, suite_targets
     from capsctl.compare.targets import SUITES
-    from capsctl.views.common import print_json
+    from capsctl.views.common import print_json, print_plain
     from capsctl.views.measure import footer_lines, print_compare
     from capsctl.views.progress import simple_progress
 
@@ -139,6 +167,6 @@ def compare_cmd(
     if json_out:
         print_json({**report.to_dict(), "footer": footer_lines(report)})
     elif csv_out:
-        sys.stdout.write(report.to_csv())
+        print_plain(report.to_csv())
     else:
         print_compare(report, speed)

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from capsctl.cli.app import JsonOpt, app
+from capsctl.cli.app import OUTPUTS, JsonOpt, app
 from capsctl.errors import UsageError
+from capsctl.numbers import MAX_BATCH, MAX_IMAGES, MAX_SEED, MAX_STEPS, Floats, Int, shown
 
-
-def _numbers(flag: str, text: str | None) -> list[float] | None:
-    """``1/255,2/255,0.01`` -> floats (fractions allowed)."""
-    if text is None:
-        return None
-    values = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            num, _, den = part.partition("/")
-            values.append(float(num) / (float(den) if den else 1.0))
-        except (ValueError, ZeroDivisionError):
-            raise UsageError(f"{flag} {text}: expected numbers like 1/255,8/255 or 0.03") from None
-    return values
+#: Shift magnitudes up to half a turn (degrees); each shift's own range is checked by the
+#: library (capsctl/robustness/api.py): translate pixels, affine a share of affNIST's ranges.
+_MAGNITUDES = Floats("--magnitudes", 0, 180, "0,15,30 (rotate degrees)")
 
 
 def _attacks(text: str | None, shift: str | None, corruptions: bool) -> tuple[str, ...]:
@@ -32,7 +23,10 @@ def _attacks(text: str | None, shift: str | None, corruptions: bool) -> tuple[st
         return () if shift or corruptions else ("fgsm", "pgd")
     if text.strip() == "none":
         return ()
-    return tuple(a.strip() for a in text.split(",") if a.strip())
+    names = tuple(a.strip() for a in text.split(","))
+    if not all(names):
+        raise UsageError(f"--attack {shown(text)}: an empty name; give fgsm, pgd, fgsm,pgd or none")
+    return tuple(dict.fromkeys(names))  # a repeated name is measured once
 
 
 @app.command("robustness")
@@ -43,10 +37,20 @@ def robustness_cmd(
         typer.Option(help="fgsm,pgd or none (default fgsm,pgd unless --shift/--corruptions)."),
     ] = None,
     eps: Annotated[
-        str, typer.Option(help="L-inf radii on [0, 1] pixels.")
-    ] = "1/255,2/255,4/255,8/255",
+        Sequence[float],
+        typer.Option(
+            help="L-inf radii on [0, 1] pixels.",
+            parser=Floats("--eps", 0, 1, "2/255,8/255"),
+            metavar="<numbers>",
+        ),
+    ] = "1/255,2/255,4/255,8/255",  # type: ignore[assignment]  # the parser makes it numbers
     targeted: Annotated[bool, typer.Option(help="Targeted to (label + 1) mod classes.")] = False,
-    steps: Annotated[int, typer.Option(help="PGD steps (step size 2.5 * eps / steps).")] = 10,
+    steps: Annotated[
+        int,
+        typer.Option(
+            help="PGD steps (step size 2.5 * eps / steps).", parser=Int("--steps", 1, MAX_STEPS)
+        ),
+    ] = 10,
     loss: Annotated[
         str,
         typer.Option(
@@ -58,18 +62,37 @@ def robustness_cmd(
         str | None, typer.Option(help="affine (affNIST-style, 40x40 models), translate, rotate.")
     ] = None,
     magnitudes: Annotated[
-        str | None, typer.Option(help="Shift magnitudes: degrees, pixels or affNIST share.")
+        Sequence[float] | None,
+        typer.Option(
+            help="Shift magnitudes: rotate degrees (0-180), translate pixels (0-64) or affine "
+            "share of affNIST's ranges (0-1).",
+            parser=_MAGNITUDES,
+            metavar="<numbers>",
+        ),
     ] = None,
     corruptions: Annotated[
         bool, typer.Option("--corruptions", help="The 15 x 5 CIFAR-10-C corruptions.")
     ] = False,
-    limit: Annotated[int | None, typer.Option(help="Only the first N test images.")] = None,
-    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of PGD starts, shifts and corruptions.")] = 0,
+    limit: Annotated[
+        int | None,
+        typer.Option(help="Only the first N test images.", parser=Int("--limit", 1, MAX_IMAGES)),
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", "-b", parser=Int("--batch-size", 1, MAX_BATCH))
+    ] = None,
+    seed: Annotated[
+        int,
+        typer.Option(
+            help="Seed of PGD starts, shifts and corruptions.", parser=Int("--seed", 0, MAX_SEED)
+        ),
+    ] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
     data_dir: Annotated[str | None, typer.Option("--data-dir", help="Where datasets live.")] = None,
     png: Annotated[
-        Path | None, typer.Option("--png", help="Folder for accuracy-vs-eps/shift pictures.")
+        Path | None,
+        typer.Option(
+            "--png", help="Folder for accuracy-vs-eps/shift pictures.", rich_help_panel=OUTPUTS
+        ),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace existing pictures.")] = False,
     resume_file: Annotated[
@@ -78,15 +101,16 @@ def robustness_cmd(
             "--resume-file",
             help="Keep each finished setting in this file; a rerun with it measures only the "
             "settings missing there (a Ctrl-C loses at most the one in progress).",
+            rich_help_panel=OUTPUTS,
         ),
     ] = None,
     json_out: JsonOpt = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print CSV rows.")] = False,
 ) -> None:
-    """Robust accuracy under white-box FGSM/PGD (each model's own loss), shifted test sets and
-    CIFAR-10-C corruptions; one table per checkpoint, side by side for several."""
+    """Robust accuracy under white-box FGSM/PGD (each model's own loss, or --loss cw), shifted
+    test sets and CIFAR-10-C corruptions; one table per checkpoint, side by side for several."""
     from capsctl.robustness.run import run_robustness
-    from capsctl.views.common import print_json
+    from capsctl.views.common import print_json, print_plain
     from capsctl.views.progress import simple_progress
     from capsctl.views.robustness import print_robustness, robustness_csv
 
@@ -100,12 +124,12 @@ def robustness_cmd(
             resume_file=resume_file,
             on_event=on_event,
             attacks=_attacks(attack, shift, corruptions),
-            eps=_numbers("--eps", eps) or [],
+            eps=eps,
             targeted=targeted,
             steps=steps,
             loss=loss,
             shift=shift,
-            magnitudes=_numbers("--magnitudes", magnitudes),
+            magnitudes=magnitudes,
             corruptions=corruptions,
             limit=limit,
             batch_size=batch_size,
@@ -116,6 +140,6 @@ def robustness_cmd(
     if json_out:
         print_json(run.to_dict())
     elif csv_out:
-        sys.stdout.write(robustness_csv(run.results))
+        print_plain(robustness_csv(run.results))
     else:
         print_robustness(run.results)

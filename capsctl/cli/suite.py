@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from capsctl.cli.app import JsonOpt, app
+from capsctl.cli.app import OUTPUTS, JsonOpt, app
 from capsctl.errors import UsageError
+from capsctl.numbers import MAX_IMAGES, MAX_SEED, Int, Ints
 
 suite_app = typer.Typer(
     help="Run sets of (model, seed) trainings described as data, and report mean ± std.",
@@ -20,18 +21,6 @@ app.add_typer(suite_app, name="suite")
 
 #: The copy of the suite a run folder keeps, so ``suite report DIR`` needs nothing else.
 SUITE_COPY = "suite.yaml"
-
-
-def _seeds(text: str | None) -> list[int]:
-    if text is None:
-        return []
-    try:
-        seeds = [int(s) for s in text.replace(" ", "").split(",") if s]
-    except ValueError:
-        raise UsageError(f"--seeds {text}: expected comma-separated integers, e.g. 0,1") from None
-    if not seeds:
-        raise UsageError(f"--seeds {text}: expected comma-separated integers, e.g. 0,1")
-    return seeds
 
 
 @suite_app.command("list")
@@ -51,12 +40,21 @@ def list_cmd(json_out: JsonOpt = False) -> None:
 @suite_app.command("run")
 def run_cmd(
     suite: Annotated[str, typer.Argument(help="A bundled suite (capsctl suite list) or a file.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder of the suite's runs.")],
+    out: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Folder of the suite's runs.", rich_help_panel=OUTPUTS),
+    ],
     only: Annotated[
         list[str] | None, typer.Option("--only", help="Only this member (repeatable).")
     ] = None,
     seeds: Annotated[
-        str | None, typer.Option("--seeds", help="Only these seeds, e.g. 0,1.")
+        Sequence[int] | None,
+        typer.Option(
+            "--seeds",
+            help="Only these seeds, e.g. 0,1.",
+            parser=Ints("--seeds", 0, MAX_SEED),
+            metavar="<seeds>",
+        ),
     ] = None,
     data_dir: Annotated[
         str | None, typer.Option("--data-dir", help="Where datasets live (default $CAPSCTL_DATA).")
@@ -73,18 +71,21 @@ def run_cmd(
     """Train every (member, seed) pair into OUT/MEMBER/seed-S; skips finished runs and resumes
     interrupted ones, so the same command continues a suite."""
     from capsctl.suites import load_suite, pair_commands, run_suite
-    from capsctl.views.common import print_json
+    from capsctl.views.common import print_json, print_plain
     from capsctl.views.suite import SuiteProgress
 
     spec = load_suite(suite)
-    chosen = _seeds(seeds)
+    chosen = list(seeds or [])
     if print_commands:
         lines = pair_commands(spec, out, only or [], chosen)
         if json_out:
             print_json({"commands": lines})
         else:
-            sys.stdout.write("".join(line + "\n" for line in lines))
+            print_plain("".join(line + "\n" for line in lines))
         return
+    from capsctl.suites.runner import check_suite, plan_pairs
+
+    check_suite(spec, plan_pairs(spec, out, only or [], chosen))  # before OUT is written to
     _keep_suite_copy(spec, out)
     with SuiteProgress(quiet=json_out) as progress:
         result = run_suite(
@@ -93,24 +94,29 @@ def run_cmd(
     if json_out:
         print_json(result.to_dict())
         return
+    from shlex import quote
+
     from capsctl.views.common import note
 
     waiting = [p for p in result.pairs if p["status"] in ("waiting", "busy")]
     note(
         f"suite {spec.name}: {len(result.pairs) - len(waiting)} of {len(result.pairs)} pairs "
-        f"finished; capsctl suite report {out}"
+        f"finished; capsctl suite report {quote(str(out))}"
     )
 
 
 def _keep_suite_copy(spec: object, out: Path) -> None:
-    """``OUT/suite.yaml``: the suite as run (refusing a folder that holds another suite)."""
-    from capsctl.atomic import write_text_atomic
-    from capsctl.config.yaml_io import load_yaml, to_yaml
+    """``OUT/suite.yaml``: the suite as run (refusing a folder that holds another suite, or one
+    in a run folder or another suite's folder)."""
+    from capsctl.atomic import check_output, write_text_atomic
+    from capsctl.config.yaml_io import parse_yaml, to_yaml
+    from capsctl.outputs import SUITE
 
+    check_output(out, kind=SUITE)
     doc = spec.to_dict()  # type: ignore[attr-defined]
     path = out / SUITE_COPY
     if path.exists():
-        old = load_yaml(path.read_text(encoding="utf-8"))
+        old = parse_yaml(path.read_text(encoding="utf-8"), str(path))
         if isinstance(old, dict) and old.get("name") not in (None, doc["name"]):
             raise UsageError(
                 f"--out {out}: holds suite {old.get('name')!r}, not {doc['name']!r}; choose "
@@ -144,11 +150,19 @@ def report_cmd(
     ] = False,
     results: Annotated[
         Path | None,
-        typer.Option("--results", help="Also write the results file (CSV) to this path."),
+        typer.Option(
+            "--results",
+            help="Also write the results file (CSV) to this path.",
+            rich_help_panel=OUTPUTS,
+        ),
     ] = None,
     png: Annotated[
         Path | None,
-        typer.Option("--png", help="Folder for accuracy vs parameters and GFLOPs plots."),
+        typer.Option(
+            "--png",
+            help="Folder for accuracy vs parameters and GFLOPs plots.",
+            rich_help_panel=OUTPUTS,
+        ),
     ] = None,
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace existing --results and --png files.")
@@ -162,7 +176,12 @@ def report_cmd(
         ),
     ] = False,
     robustness_limit: Annotated[
-        int, typer.Option("--robustness-limit", help="Test images attacked and corrupted.")
+        int,
+        typer.Option(
+            "--robustness-limit",
+            help="Test images attacked and corrupted.",
+            parser=Int("--robustness-limit", 1, MAX_IMAGES),
+        ),
     ] = 1000,
     json_out: JsonOpt = False,
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the results CSV.")] = False,
@@ -171,14 +190,19 @@ def report_cmd(
     training speed; several FOLDERS (run folders and ledgers) are reported as one suite."""
     from capsctl.suites import load_suite, report_suite, write_results
     from capsctl.suites.results_file import results_csv
-    from capsctl.views.common import print_json
+    from capsctl.views.common import print_json, print_plain
     from capsctl.views.progress import simple_progress
     from capsctl.views.suite import print_suite_report
 
     if json_out and csv_out:
         raise UsageError("--json and --csv exclude each other")
     spec = load_suite(_suite_of(folders, suite))
-    if png is not None:  # refused before any scoring
+    if results is not None:  # refused before any scoring, as the pictures are
+        from capsctl.atomic import check_output
+        from capsctl.outputs import RESULTS_CSV
+
+        check_output(results, kind=RESULTS_CSV, overwrite=overwrite)
+    if png is not None:
         from capsctl.suites.plot import check_plot_files
 
         check_plot_files(spec.name, png, overwrite=overwrite)
@@ -186,8 +210,6 @@ def report_cmd(
     if robustness:
         from capsctl.suites.robust import RobustSettings
 
-        if robustness_limit < 1:
-            raise UsageError(f"--robustness-limit {robustness_limit}: must be at least 1")
         settings = RobustSettings(limit=robustness_limit, corruption_limit=robustness_limit)
     with simple_progress("scoring", quiet=json_out or csv_out) as on_event:
         report = report_suite(
@@ -208,7 +230,7 @@ def report_cmd(
     if json_out:
         print_json(json.loads(json.dumps(doc)))
     elif csv_out:
-        sys.stdout.write(results_csv(report))
+        print_plain(results_csv(report))
     else:
         print_suite_report(doc)
     if not json_out:
@@ -220,7 +242,7 @@ def report_cmd(
 
 def _suite_of(folders: list[Path], suite: str | None) -> str:
     """``--suite``, else the suite copy the folders keep (all naming the same suite)."""
-    from capsctl.config.yaml_io import load_yaml
+    from capsctl.config.yaml_io import parse_yaml
 
     for folder in folders:
         if not folder.is_dir():
@@ -234,7 +256,7 @@ def _suite_of(folders: list[Path], suite: str | None) -> str:
         )
     names = {}
     for path in copies:
-        doc = load_yaml(path.read_text(encoding="utf-8"))
+        doc = parse_yaml(path.read_text(encoding="utf-8"), str(path))
         names[path] = doc.get("name") if isinstance(doc, dict) else None
     first = copies[0]
     for path, name in names.items():
@@ -258,7 +280,11 @@ def archive_cmd(
     ],
     to: Annotated[
         Path,
-        typer.Option("--to", help="The ledger: LEDGER/MEMBER/seed-S records, no checkpoints."),
+        typer.Option(
+            "--to",
+            help="The ledger: LEDGER/MEMBER/seed-S records, no checkpoints.",
+            rich_help_panel=OUTPUTS,
+        ),
     ],
     suite: Annotated[
         str | None,
@@ -273,9 +299,11 @@ def archive_cmd(
     """Keep every finished, scored pair's small files (results, test scores, provenance,
     preset, metrics; no checkpoints) as a record in a ledger, which capsctl suite report reads
     like a run folder; a record that differs from the ledger's is refused without --overwrite."""
+    import shlex
+
     from capsctl.suites import load_suite
     from capsctl.suites.ledger import archive_suite
-    from capsctl.views.common import note, print_json
+    from capsctl.views.common import note, print_json, print_plain
 
     spec = load_suite(_suite_of(folders, suite))
     _keep_suite_copy(spec, to)
@@ -290,9 +318,9 @@ def archive_cmd(
             runs = Path(p["from"]).parents[1]
             what = (
                 f"not scored on {', '.join(p['missing'])}; not archived (capsctl suite report "
-                f"{runs} scores it)"
+                f"{shlex.quote(str(runs))} scores it)"
             )
-        sys.stdout.write(f"{p['member']} seed {p['seed']}: {what}\n")
+        print_plain(f"{p['member']} seed {p['seed']}: {what}\n")
     statuses = [p["status"] for p in result.pairs]
     written = statuses.count("added") + statuses.count("replaced")
     kept = statuses.count("kept")

@@ -9,8 +9,18 @@ from typing import Annotated
 
 import typer
 
-from capsctl.cli.app import JsonOpt, app
+from capsctl.cli.app import OUTPUTS, JsonOpt, app
 from capsctl.errors import UsageError
+from capsctl.numbers import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_EPOCHS,
+    MAX_LR,
+    MAX_SEED,
+    Duration,
+    Float,
+    Int,
+)
 
 
 @app.command("train")
@@ -18,19 +28,41 @@ def train_cmd(
     preset: Annotated[
         str | None, typer.Option("--preset", "-p", help="Preset name or YAML file.")
     ] = None,
-    epochs: Annotated[int | None, typer.Option(help="Number of epochs.")] = None,
+    epochs: Annotated[
+        int | None,
+        typer.Option(help="Number of epochs.", parser=Int("--epochs", 1, MAX_EPOCHS)),
+    ] = None,
     time_limit: Annotated[
-        str | None,
+        float | None,
         typer.Option(
             "--time-limit",
             help="Wall-time budget of the whole run, e.g. 30m, 1.5h or 1800 (seconds): the LR "
             "schedule is fitted to it and training stops in time for the final test.",
+            parser=Duration("--time-limit"),
+            metavar="<duration>",
         ),
     ] = None,
     batch_size: Annotated[
-        int | None, typer.Option("--batch-size", "-b", help="Training batch size.")
+        int | None,
+        typer.Option(
+            "--batch-size",
+            "-b",
+            help="Training batch size.",
+            parser=Int("--batch-size", 1, MAX_BATCH),
+        ),
     ] = None,
-    lr: Annotated[float | None, typer.Option(help="Base learning rate.")] = None,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Base learning rate.", parser=Float("--lr", 0, MAX_LR, lo_open=True)),
+    ] = None,
+    router: Annotated[
+        str | None,
+        typer.Option(
+            "--router",
+            help="Route with this algorithm (idpa, dynamic, em or self) and its own defaults: "
+            "--set model.router=NAME.",
+        ),
+    ] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda or mps.")] = None,
     data_dir: Annotated[
         str | None,
@@ -40,9 +72,14 @@ def train_cmd(
         ),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Run folder (default runs/<preset>).")
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Run folder (default runs/<preset>).", rich_help_panel=OUTPUTS
+        ),
     ] = None,
-    seed: Annotated[int | None, typer.Option(help="Random seed.")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Random seed.", parser=Int("--seed", 0, MAX_SEED))
+    ] = None,
     deterministic: Annotated[
         bool, typer.Option("--deterministic", help="Deterministic algorithms.")
     ] = False,
@@ -65,6 +102,7 @@ def train_cmd(
         typer.Option(
             "--nproc",
             help="Launch N processes on this machine with torchrun (DistributedDataParallel).",
+            parser=Int("--nproc", 1, MAX_COUNT),
         ),
     ] = None,
     json_out: JsonOpt = False,
@@ -92,6 +130,7 @@ def train_cmd(
             time_limit=time_limit,
             batch_size=batch_size,
             lr=lr,
+            router=router,
             device=device,
             data_dir=data_dir,
             seed=seed,

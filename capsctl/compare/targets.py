@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from capsctl.errors import UsageError
+from capsctl.errors import UsageError, did_you_mean, some_names
 from capsctl.models.spec import ModelConfig
 
 __all__ = [
@@ -72,11 +72,12 @@ class Target:
     dataset: str | None
 
 
-def _accepted(models: list[str], presets: list[str]) -> str:
-    return (
-        f"registered models ({', '.join(models) or 'none'}), "
-        f"presets ({', '.join(presets) or 'none'}), aliases ({', '.join(ALIASES)}), "
-        "a .yaml preset file, a .safetensors checkpoint or a model folder"
+def _unknown(text: str, models: list[str], presets: list[str]) -> UsageError:
+    """Unknown ``text``: the closest name, and where to find them all (not every name)."""
+    hint = did_you_mean([*models, *presets, *ALIASES], text)
+    return UsageError(
+        f"unknown model {text!r}{hint}; give a model (capsctl models), a preset (capsctl "
+        f"presets), {' or '.join(ALIASES)}, a .yaml, a .safetensors or a model folder"
     )
 
 
@@ -101,8 +102,9 @@ def _checkpoint_target(name: str, path: Path) -> Target:
     """A checkpoint file or model folder: configuration and dataset from its metadata."""
     from capsctl.checkpoint import model_config, read_metadata
 
-    config = model_config(path)
-    preset = read_metadata(path).get("preset")
+    meta = read_metadata(path)
+    config = model_config(path, meta)
+    preset = meta.get("preset")
     dataset = dataset_key(preset.get("data")) if isinstance(preset, dict) else None
     return Target(name, "checkpoint", config, path, dataset)
 
@@ -118,11 +120,13 @@ def _preset_target(spec: str | Path, fallback_name: str) -> Target:
 def find_target(spec: str) -> Target:
     """The :class:`Target` named by ``spec``.
 
-    Tried in order: a model folder (``config.json`` inside), an existing file (``.yaml``/
-    ``.yml``: a preset; anything else: a capsctl checkpoint), an alias (:data:`ALIASES`), a
-    registered model, a preset name. A checkpoint's name is ``spec`` as given. Raises
-    UsageError naming what is accepted when nothing matches.
+    Tried in order: a model folder (``config.json`` inside) or a run folder of ``capsctl
+    train`` (its ``best.safetensors``, :func:`capsctl.checkpoint.resolve_checkpoint`), an
+    existing file (``.yaml``/``.yml``: a preset; anything else: a capsctl checkpoint), an alias
+    (:data:`ALIASES`), a registered model, a preset name. A checkpoint's name is ``spec`` as
+    given. Raises UsageError naming what is accepted when nothing matches.
     """
+    from capsctl.checkpoint import resolve_checkpoint
     from capsctl.config import list_presets
     from capsctl.registry import get_config, list_models
 
@@ -132,8 +136,10 @@ def find_target(spec: str) -> Target:
             "empty model name; pass a model, preset, alias, .yaml, .safetensors or model folder"
         )
     path = Path(text).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():  # a model folder (export --format hf)
-        return _checkpoint_target(text, path)
+    if path.is_dir():  # a model folder (export --format hf) or a run folder (capsctl train)
+        found = resolve_checkpoint(path)  # as every command reads a folder
+        if found != path or (path / "config.json").is_file():
+            return _checkpoint_target(text, found)
     if path.is_file():
         if path.suffix.lower() in _PRESET_SUFFIXES:
             return _preset_target(path, path.stem)
@@ -147,13 +153,16 @@ def find_target(spec: str) -> Target:
         raise UsageError(f"{text} does not exist; check the path")
     if text in ALIASES:
         return Target(ALIASES[text], "model", get_config(ALIASES[text]), None, None)
+    shipped = resolve_checkpoint(text)  # a shipped name (capsctl weights)
+    if shipped != path:
+        return _checkpoint_target(text, shipped)
     models = list_models()
     if text in models:
         return Target(text, "model", get_config(text), None, None)
     presets = [n for n, _ in list_presets()]
     if text in presets:
         return _preset_target(text, text)
-    raise UsageError(f"unknown model {text!r}; compare accepts {_accepted(models, presets)}")
+    raise _unknown(text, models, presets)
 
 
 def resolve_target(spec: str) -> tuple[str, str, ModelConfig, Path | None]:
@@ -197,7 +206,8 @@ def suite_targets(suite: str | None, models: list[str]) -> list[str]:
 
             known = [*SUITES, *(n for n, _ in list_suites())]
             if suite not in known and not Path(suite).is_file():
-                raise UsageError(f"--suite {suite}: unknown; choose one of {', '.join(known)}")
+                names = some_names(known, suite, "capsctl suite list")
+                raise UsageError(f"--suite {suite}: unknown; choose one of {names}")
             targets = [suite, *targets]
     if not targets:
         raise UsageError("name models to compare (see capsctl models), or --suite paper")

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union
 
-from capsctl.config.schema import VALIDATORS, check, join_path
+from capsctl.config.schema import VALIDATORS, check, check_limit, join_path
 from capsctl.errors import ConfigError
 from capsctl.models.spec import ModelConfig
 
@@ -203,6 +203,7 @@ def validate_router(cfg: ModelConfig, path: str) -> None:
     params = from_dict(cls.Params, {k: v for k, v in cfg.router.items() if k != "name"}, path)
     iterations = getattr(params, "iterations", 1)
     check(iterations >= 1, join_path(path, "iterations"), f"must be >= 1, got {iterations}")
+    check_limit(iterations, path, "iterations")
     cfg.router = {"name": name, **dataclasses.asdict(params)}
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from capsctl.config.convert import from_dict, type_error
 from capsctl.config.schema import join_path
-from capsctl.errors import ConfigError
+from capsctl.errors import ConfigError, some_names
 from capsctl.models.spec import ModelConfig
 from capsctl.registry import get_config, list_models
 
@@ -37,7 +37,7 @@ def registered_model(name: Any, path: str) -> dict[str, Any]:
         raise type_error(path, "a registered model name", name)
     known = list_models()
     if name not in known:
-        listing = ", ".join(known) if known else "(none found)"
+        listing = some_names(known, name, "capsctl models") if known else "(none found)"
         raise ConfigError(f"{path}: unknown model {name!r}; registered models: {listing}")
     return dataclasses.asdict(get_config(name))
 

@@ -9,7 +9,6 @@ top-level ``presets/`` (:func:`preset_dirs`). Loading is: read YAML (:mod:`.yaml
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ from capsctl.config.model_refs import expand_model
 from capsctl.config.overrides import apply_overrides
 from capsctl.config.schema import Preset
 from capsctl.config.yaml_io import parse_preset_text, read_preset_file, to_yaml
-from capsctl.errors import ConfigError
+from capsctl.errors import ConfigError, did_you_mean, some_names
 
 __all__ = [
     "dump_yaml",
@@ -90,12 +89,10 @@ def _find_preset(name_or_path: str | os.PathLike[str]) -> Path:
     files = _preset_files()
     if name_or_path in files:
         return files[name_or_path]
-    near = difflib.get_close_matches(name_or_path, list(files), n=1)
-    hint = f" (did you mean {near[0]}?)" if near else ""
-    known = ", ".join(files) if files else "(none found)"
+    hint = did_you_mean(list(files), name_or_path)
+    known = some_names(list(files), name_or_path, "capsctl presets") if files else "(none found)"
     raise ConfigError(
-        f"unknown preset {name_or_path!r}{hint}; known presets: {known}; "
-        "or pass the path of a .yaml file"
+        f"unknown preset {name_or_path!r}{hint}; known presets: {known}; or a .yaml file"
     )
 
 

@@ -16,8 +16,10 @@ from typing import Any, ClassVar, Literal
 from capsctl.data.catalog import NORMALIZATION, dataset_info
 from capsctl.errors import CapsctlError, ConfigError
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
+from capsctl.numbers import MAX_BATCH, MAX_EPOCHS, MAX_ITERATIONS, MAX_LR, MAX_SECONDS
 
 __all__ = [
+    "LIMITS",
     "VALIDATORS",
     "AugmentConfig",
     "DataConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "Preset",
     "TrainConfig",
     "check",
+    "check_limit",
     "join_path",
 ]
 
@@ -44,6 +47,34 @@ def _is_square(n: int) -> bool:
     return n >= 1 and math.isqrt(n) ** 2 == n
 
 
+#: Largest accepted sizes: far above any model or batch capsctl trains, low enough that a typo
+#: or a forged checkpoint's stored preset is refused before it sizes an allocation or a loop.
+LIMITS: dict[str, int] = {
+    "num_classes": 100_000,
+    "in_channels": 64,
+    "input_size": 1024,
+    "crop_padding": 1024,
+    "primary_types": 4096,
+    "primary_dim": 1024,
+    "types": 4096,
+    "pose_dim": 1024,
+    "class_pose_dim": 1024,
+    "kernel": 64,
+    "stride": 64,
+    "layers": 64,
+    "iterations": MAX_ITERATIONS,
+    "batch_size": MAX_BATCH,
+    "eval_batch_size": MAX_BATCH,
+}
+
+
+def check_limit(value: int, path: str, name: str) -> None:
+    """ConfigError ``"<path>.<name>: must be <= <limit>"`` when ``value`` exceeds
+    :data:`LIMITS` [name]."""
+    limit = LIMITS[name]
+    check(value <= limit, join_path(path, name), f"must be <= {limit}, got {value}")
+
+
 @dataclass
 class AugmentConfig:
     """Training-time augmentation: random crop with ``crop_padding`` pixels, horizontal flips;
@@ -61,6 +92,7 @@ class AugmentConfig:
             join_path(path, "crop_padding"),
             f"must be >= 0 (0 disables cropping), got {self.crop_padding}",
         )
+        check_limit(self.crop_padding, path, "crop_padding")
 
 
 @dataclass
@@ -165,11 +197,21 @@ class TrainConfig:
         self._check_optimizer(path)
         self._check_schedule(path)
         self._check_limits(path)
+        self._check_flag_bounds(path)
 
     def _check_sizes(self, path: str) -> None:
         for name in ("epochs", "batch_size", "eval_batch_size"):
             value = getattr(self, name)
             check(value >= 1, join_path(path, name), f"must be >= 1, got {value}")
+        check_limit(self.batch_size, path, "batch_size")
+        check_limit(self.eval_batch_size, path, "eval_batch_size")
+
+    def _check_flag_bounds(self, path: str) -> None:
+        """The upper bounds of the flags --epochs, --lr and --time-limit (capsctl/numbers.py)."""
+        for name, most in (("epochs", MAX_EPOCHS), ("lr", MAX_LR), ("time_limit", MAX_SECONDS)):
+            value = getattr(self, name)
+            if value is not None:
+                check(value <= most, join_path(path, name), f"must be <= {most}, got {value}")
 
     def _check_optimizer(self, path: str) -> None:
         check(self.lr > 0, join_path(path, "lr"), f"must be > 0, got {self.lr}")
@@ -271,6 +313,7 @@ def validate_layer(spec: CapsLayerSpec, path: str) -> None:
     for name in ("types", "pose_dim", "kernel", "stride"):
         value = getattr(spec, name)
         check(value >= 1, join_path(path, name), f"must be >= 1, got {value}")
+        check_limit(value, path, name)
     if spec.pose == "matrix":
         check(
             _is_square(spec.pose_dim),
@@ -285,6 +328,8 @@ def validate_model(cfg: ModelConfig, path: str) -> None:
     for name in ("num_classes", "in_channels", "input_size", "primary_types", "primary_dim"):
         value = getattr(cfg, name)
         check(value >= 1, join_path(path, name), f"must be >= 1, got {value}")
+        check_limit(value, path, name)
+    check_limit(len(cfg.layers), path, "layers")
     check(0 <= cfg.dropout < 1, join_path(path, "dropout"), f"must be in [0, 1), got {cfg.dropout}")
     if cfg.class_pose_dim is None:
         return
@@ -293,6 +338,7 @@ def validate_model(cfg: ModelConfig, path: str) -> None:
         join_path(path, "class_pose_dim"),
         f"must be >= 1 (null = the last layer's pose_dim), got {cfg.class_pose_dim}",
     )
+    check_limit(cfg.class_pose_dim, path, "class_pose_dim")
     if cfg.class_pose == "matrix":
         check(
             _is_square(cfg.class_pose_dim),

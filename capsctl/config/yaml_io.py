@@ -23,6 +23,7 @@ __all__ = [
     "Yaml12Loader",
     "load_yaml",
     "parse_preset_text",
+    "parse_yaml",
     "read_preset_file",
     "to_yaml",
     "yaml_problem",
@@ -77,18 +78,25 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     return " ".join(str(problem).split())
 
 
-def parse_preset_text(text: str, source: str) -> dict[str, Any]:
-    """The top-level mapping of a preset's YAML text; ``source`` names it in errors. Empty text
-    (or only comments) is a :class:`ConfigError`: it would silently train with every default."""
+def parse_yaml(text: str, source: str) -> Any:
+    """:func:`load_yaml` of a file's text; invalid YAML is a one-line :class:`ConfigError`
+    naming ``source``, the line and the column (PyYAML's own message spans several lines and
+    names ``<unicode string>``)."""
     try:
-        raw = load_yaml(text)
+        return load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         column = f", column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(
-            f"{where}: invalid YAML ({yaml_problem(e)}{column}); fix the syntax"
+            f"{where}: invalid YAML ({yaml_problem(e)[:100]}{column}); fix the syntax"
         ) from None
+
+
+def parse_preset_text(text: str, source: str) -> dict[str, Any]:
+    """The top-level mapping of a preset's YAML text; ``source`` names it in errors. Empty text
+    (or only comments) is a :class:`ConfigError`: it would silently train with every default."""
+    raw = parse_yaml(text, source)
     if raw is None:  # an empty file (or only comments) is a mistake, not "all defaults"
         raise ConfigError(
             f"{source}: the preset is empty (no fields); write its name, model, data and train "

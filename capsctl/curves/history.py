@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def _read_text(path: Path) -> str:
             )
         raise CapsctlError(
             f"{folder} has no {METRICS_FILE}; train it first (capsctl train --preset NAME "
-            f"--out {folder}) or pass another run folder"
+            f"--out {shlex.quote(str(folder))}) or pass another run folder"
         )
     if not path.is_file():  # reading a named pipe would wait for a writer
         raise UsageError(

@@ -17,6 +17,7 @@ from capsctl.atomic import check_output, write_atomic
 from capsctl.curves.history import curve_points, metrics_path, read_history, run_name
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
+from capsctl.outputs import PDF, PNG, RUN_CURVES, SVG, OutputKind
 
 __all__ = [
     "CURVES_FILE",
@@ -87,6 +88,7 @@ SERIES: dict[str, Series] = {
 DEFAULT_METRICS = ("loss", "accuracy", "lr")
 
 _FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+_KINDS = {"png": PNG, "svg": SVG, "pdf": PDF}
 _SERIES_COLORS = {"train": "C0", "val": "C1", "val top-5": "C2"}
 
 
@@ -151,9 +153,11 @@ def plot_runs(
 ) -> Path:
     """Draw the curves of one or several runs on shared axes into ``out``; returns ``out``.
 
-    Default ``out``: ``curves.png`` in the run folder for one run, in the current folder for
-    several. An existing file at ``out`` is refused (:class:`UsageError`, before anything is
-    drawn) unless ``overwrite``; a run's metrics file is refused even then.
+    Default ``out``: ``curves.png`` in the current folder (a run folder belongs to its run:
+    :func:`write_run_curves` draws its own). ``out`` is checked before anything is drawn
+    (:func:`capsctl.atomic.check_output`): an existing file is replaced only with ``overwrite``
+    and only when it is a picture of the same format, and never a run's metrics file nor a path
+    in a run or suite folder (:class:`UsageError`).
 
     One panel per chosen panel (see :func:`resolve_metrics`; default: loss, accuracy, lr),
     epochs on the x axis, accuracy in percent. One run: colours tell the curves apart and the
@@ -168,14 +172,24 @@ def plot_runs(
         run_dirs = [run_dirs]
     if not run_dirs:
         raise UsageError("nothing to plot; pass at least one run folder")
-    if out is None:
-        one = len(run_dirs) == 1
-        out = metrics_path(run_dirs[0]).parent / CURVES_FILE if one else Path(CURVES_FILE)
-    out = Path(out)
+    out = Path(CURVES_FILE if out is None else out)
+    return _plot(run_dirs, out, metrics, on_event, overwrite, None)
+
+
+def _plot(
+    run_dirs: Sequence[str | Path],
+    out: Path,
+    metrics: Sequence[str] | None,
+    on_event: EventFn,
+    overwrite: bool,
+    kind: OutputKind | None,
+) -> Path:
+    """:func:`plot_runs` into ``out``, an output of ``kind`` (default: by its suffix)."""
     fmt = _FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise UsageError(f"--out {out}: the picture must end in .png, .svg or .pdf")
-    check_output(out, inputs=[metrics_path(r) for r in run_dirs], overwrite=overwrite)
+    inputs = [metrics_path(r) for r in run_dirs]
+    check_output(out, kind=kind or _KINDS[fmt], inputs=inputs, overwrite=overwrite)
     keys = resolve_metrics(metrics)
     mpl = _load_matplotlib()
     names = _labels(run_dirs)
@@ -327,4 +341,4 @@ def write_run_curves(run_dir: str | Path) -> Path | None:
     path = metrics_path(run_dir)
     if not path.exists() or not read_history(run_dir):
         return None
-    return plot_runs([run_dir], Path(run_dir) / CURVES_FILE, overwrite=True)
+    return _plot([run_dir], Path(run_dir) / CURVES_FILE, None, None, True, RUN_CURVES)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 from torch import Tensor
 
-from capsctl.checkpoint import read_metadata
+from capsctl.checkpoint import read_metadata, resolve_checkpoint
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.export.formats import FORMATS, export_file, output_file
@@ -38,16 +37,18 @@ def export_checkpoint(
 
     ``ckpt``: a capsctl checkpoint file or a model folder; its header is read once.
 
-    ``out``: the artifact path; default ``<folder>/<stem><suffix>`` beside the checkpoint
-    (:data:`capsctl.export.formats.FORMATS`); an existing folder gets the default file name
-    inside it. An existing file there (or at its ``<artifact>.json`` sidecar) is refused
-    unless ``overwrite``; a file the export reads is refused even then. For ``hf``, ``out`` is
-    the model folder itself (default ``<folder>/<stem>-hf``): an existing empty folder is
-    filled, a non-empty one is refused unless ``overwrite``.
+    ``out``: the artifact path; default ``<stem><suffix>`` in the current folder
+    (:data:`capsctl.export.formats.FORMATS`), never beside the checkpoint in its run folder;
+    an existing folder gets the default file name inside it. An existing file there (or at its
+    ``<artifact>.json`` sidecar) is refused unless ``overwrite``, and even then unless it is an
+    earlier export of the same kind; a file the export reads, and any path in a run or suite
+    folder, are refused always (:func:`capsctl.atomic.check_output`). For ``hf``, ``out`` is
+    the model folder itself (default ``<stem>-hf``): an existing empty folder is filled, a
+    non-empty one is refused unless ``overwrite`` and an earlier model folder.
 
     ``check_images``: what the artifact is compared with eager PyTorch on. An int ``n``
     (default 16): the first ``n`` test images of the checkpoint's dataset, looked for in
-    ``data_dir`` (default: where the checkpoint's preset says); when they are unavailable, 4
+    ``data_dir`` (default: ``$CAPSCTL_DATA``, else the user cache); when they are unavailable, 4
     seeded random images instead, and the result's ``notes`` and a ``warning`` event say why.
     A tensor: these normalized float images ``[N, C, H, W]``, described in the result as
     ``check_description`` (default ``"N images"``). None: the 4 seeded random images.
@@ -75,7 +76,7 @@ def export_checkpoint(
             overwrite=overwrite,
             on_event=on_event,
         )
-    ckpt = Path(ckpt)
+    ckpt = resolve_checkpoint(ckpt)  # a run folder: its best.safetensors
     meta = read_metadata(ckpt)  # a missing or foreign checkpoint is reported before the output
     path = output_file(ckpt, fmt, out, overwrite)
     emit(on_event, "export_load", checkpoint=str(ckpt), format=fmt)

@@ -8,6 +8,7 @@ Routing", ICLR 2020, arXiv:2002.04764.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -329,7 +330,7 @@ def model_card(
     size = meta.get("input_size") or raw_model.get("input_size")
     classes = list(meta.get("classes") or [])
     described = _described(raw_model)
-    folder = "DIR" if repo_id else name
+    folder = "DIR" if repo_id else shlex.quote(name)  # a word of the card's shell commands
     sections = [
         ["---", yaml.safe_dump(front, sort_keys=False, allow_unicode=True).rstrip(), "---"],
         [f"# {name}"],

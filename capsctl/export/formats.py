@@ -46,6 +46,7 @@ from capsctl.events import EventFn, emit
 from capsctl.export.parity import EXAMPLE_BATCH, ExportResult, max_abs_diff, parity_error
 from capsctl.export.source import ExportSource
 from capsctl.layers import dispatch
+from capsctl.outputs import EXPORT_SIDECAR, ONNX, PT2, RELEASE, OutputKind
 
 __all__ = [
     "FORMATS",
@@ -63,6 +64,9 @@ FORMATS: dict[str, str] = {
     "hf": "-hf",
 }
 
+#: The kind of output of each one-file format (:func:`capsctl.atomic.check_output`).
+_KINDS: dict[str, OutputKind] = {"onnx": ONNX, "pt2": PT2, "safetensors": RELEASE}
+
 # What a format's writer returns: (max |diff|, export seconds, check seconds).
 _Timings = tuple[float, float, float]
 
@@ -73,9 +77,9 @@ _Timings = tuple[float, float, float]
 
 
 def default_output_path(ckpt: str | os.PathLike[str], fmt: str) -> Path:
-    """``<folder>/<stem><suffix>`` next to the checkpoint (see :data:`FORMATS`)."""
-    ckpt = Path(ckpt)
-    return ckpt.with_name(ckpt.stem + FORMATS[fmt])
+    """``<stem><suffix>`` in the current folder (see :data:`FORMATS`): not beside the
+    checkpoint, whose run folder belongs to its run."""
+    return Path(Path(ckpt).stem + FORMATS[fmt])
 
 
 def check_writable_folder(path: Path) -> None:
@@ -117,7 +121,8 @@ def output_file(
     :func:`default_output_path`; never the checkpoint itself; its folder must be writable.
 
     The artifact and its sidecar must not be a file the export reads (even with
-    ``overwrite``), nor exist unless ``overwrite``: :class:`UsageError` otherwise.
+    ``overwrite``), nor lie in a run or suite folder, nor exist unless ``overwrite`` and then
+    only as an earlier export of the same kind (:func:`check_output`): :class:`UsageError`.
     """
     path = default_output_path(ckpt, fmt) if out is None else Path(out)
     if out is not None and path.is_dir():
@@ -127,8 +132,8 @@ def output_file(
         raise UsageError(
             f"the export would overwrite the checkpoint {ckpt}; pick another output path"
         )
-    for target in (path, sidecar_path(path)):
-        check_output(target, inputs=inputs, overwrite=overwrite)
+    for target, kind in ((path, _KINDS[fmt]), (sidecar_path(path), EXPORT_SIDECAR)):
+        check_output(target, kind=kind, inputs=inputs, overwrite=overwrite)
     check_writable_folder(path)
     return path
 

@@ -18,13 +18,14 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from capsctl.atomic import fsync_dir, write_atomic, write_text_atomic
+from capsctl.atomic import check_output, fsync_dir, write_atomic, write_text_atomic
 from capsctl.checkpoint import (
     CONFIG_NAME,
     MODEL_PREFIX,
@@ -32,7 +33,9 @@ from capsctl.checkpoint import (
     config_from_metadata,
     load_checkpoint,
     read_metadata,
+    resolve_checkpoint,
 )
+from capsctl.checkpoint.folder import weights_metadata
 from capsctl.checkpoint.format import storable_tensors
 from capsctl.compare.flops import count_flops
 from capsctl.errors import CapsctlError, CheckpointError, UsageError
@@ -42,6 +45,7 @@ from capsctl.export.formats import check_writable_folder, default_output_path
 from capsctl.export.parity import ExportResult, max_abs_diff, parity_error
 from capsctl.export.source import ExportSource, load_source
 from capsctl.models import parameter_counts
+from capsctl.outputs import MODEL_FOLDER
 
 __all__ = ["CARD_NAME", "FOLDER_FILES", "export_model_folder"]
 
@@ -50,10 +54,11 @@ CARD_NAME = "README.md"
 FOLDER_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 
 
-def _weights_bytes(state: Mapping[str, Tensor], path: Path) -> bytes:
-    """``model.safetensors``: the weights under their ``state_dict()`` names, ``format: pt``."""
+def _weights_bytes(state: Mapping[str, Tensor], config: Mapping[str, Any], path: Path) -> bytes:
+    """``model.safetensors``: the weights under their ``state_dict()`` names, ``format: pt``
+    and the record of ``config`` (:func:`capsctl.checkpoint.folder.weights_metadata`)."""
     try:
-        return safetensors_bytes(storable_tensors(state, path), metadata={"format": "pt"})
+        return safetensors_bytes(storable_tensors(state, path), metadata=weights_metadata(config))
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"could not write {path}: {e}") from None
 
@@ -79,6 +84,7 @@ def _check_output_folder(out: Path, ckpt: Path, overwrite: bool) -> None:
                 f"the export would replace {out}, which holds the checkpoint {ckpt}; pick "
                 "another output folder"
             )
+    check_output(out, kind=MODEL_FOLDER, inputs=[ckpt], overwrite=overwrite)
     check_writable_folder(out)
 
 
@@ -114,7 +120,7 @@ def _write_files(tmp: Path, out: Path, source: ExportSource, card: str) -> None:
         k[len(MODEL_PREFIX) :]: v for k, v in source.tensors.items() if k.startswith(MODEL_PREFIX)
     }
     config = config_from_metadata(source.metadata)
-    write_atomic(tmp / WEIGHTS_NAME, _weights_bytes(state, out / WEIGHTS_NAME))
+    write_atomic(tmp / WEIGHTS_NAME, _weights_bytes(state, config, out / WEIGHTS_NAME))
     text = json.dumps(config, indent=2, ensure_ascii=False, default=str) + "\n"
     write_text_atomic(tmp / CONFIG_NAME, text)
     write_text_atomic(tmp / CARD_NAME, card)
@@ -214,12 +220,13 @@ def export_model_folder(
 ) -> ExportResult:
     """Write checkpoint ``ckpt`` as a model folder ``out`` and check that it loads back exactly.
 
-    ``out``: default ``<folder>/<stem>-hf`` beside the checkpoint. An existing empty folder is
-    filled; a non-empty one is refused unless ``overwrite`` (then it is replaced). The check
+    ``out``: default ``<stem>-hf`` in the current folder. An existing empty folder is filled; a
+    non-empty one is refused unless ``overwrite`` (then it is replaced, and only when it is an
+    earlier model folder; never a run or suite folder nor a folder in one). The check
     images are chosen as in :func:`capsctl.export.export_checkpoint`. ``license``, ``name``
     (default: the folder's name) and ``repo_id`` (default: ``name``) go into the model card.
     """
-    ckpt = Path(ckpt)
+    ckpt = resolve_checkpoint(ckpt)  # a run folder: its best.safetensors
     meta = read_metadata(ckpt)  # the only read of the header
     out = default_output_path(ckpt, "hf") if out is None else Path(out)
     _check_output_folder(out, ckpt, overwrite)

@@ -126,7 +126,7 @@ def choose_check_images(
     """The parity-check images of a checkpoint's model (inputs ``[N, channels, size, size]``).
 
     ``check_images``: an int ``n``: the first ``n`` test images of the checkpoint's dataset
-    (looked for in ``data_dir``, default the stored one), or :data:`SYNTHETIC_IMAGES` seeded
+    (looked for in ``data_dir``, default ``$CAPSCTL_DATA``), or :data:`SYNTHETIC_IMAGES` seeded
     random images when they are unavailable (a note and a ``warning`` event say why); a tensor:
     these normalized images, described as ``description`` (default ``"N images"``); None: the
     seeded random images without looking for data.

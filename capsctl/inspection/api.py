@@ -16,7 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
-from capsctl.checkpoint import load_checkpoint, read_metadata
+from capsctl.atomic import check_output
+from capsctl.checkpoint import load_checkpoint, read_metadata, resolve_checkpoint
 from capsctl.data.samples import SampleImages
 from capsctl.devices import resolve_device
 from capsctl.errors import UsageError
@@ -36,6 +37,7 @@ from capsctl.inspection.report import ImageRouting, LayerRouting, RoutingReport
 from capsctl.inspection.statistics import spatial_map
 from capsctl.inspection.stream import DumpWriter, RoutingTally
 from capsctl.inspection.trace import inspect_routing
+from capsctl.outputs import PNG, ROUTING_DUMP, OutputKind
 
 __all__ = ["BATCH_SIZE", "InspectionResult", "inspect_checkpoint"]
 
@@ -141,16 +143,18 @@ def inspect_checkpoint(
     while writing pictures. Raises :class:`UsageError` for a missing checkpoint, a model
     without routing, bad options or an output that exists (or is the checkpoint).
     """
-    path = Path(ckpt)
+    path = resolve_checkpoint(ckpt)  # a run folder: its best.safetensors; a shipped name
     if not path.exists():
-        raise UsageError(f"{ckpt}: no such file")
+        raise UsageError(f"{ckpt}: no such file; capsctl weights lists the shipped names")
     check_random(random)
     if batch_size < 1:
         raise UsageError(f"batch size must be >= 1, got {batch_size}")
     dump_path = None if dump is None else Path(dump)
     if dump_path is not None:
-        _check_output("--dump", dump_path, path, overwrite)
+        _check_output("--dump", dump_path, path, overwrite, ROUTING_DUMP)
         check_folder(dump_path)
+    if png_dir is not None:  # the folder before any work; each picture once its name is known
+        _check_png_folder(Path(png_dir), path, overwrite)
     target = resolve_device(device)
     meta = read_metadata(path)
     if random is not None and not indices and not image_files:
@@ -189,17 +193,28 @@ def inspect_checkpoint(
     return InspectionResult(str(ckpt), description, report, run.written, None)
 
 
-def _check_output(option: str, out: Path, ckpt: Path, overwrite: bool) -> None:
-    """:class:`UsageError` where ``out`` is the checkpoint ``ckpt`` (replaced never) or exists
-    without ``overwrite``."""
-    if not out.exists():
-        return
-    if os.path.samefile(out, ckpt):
-        raise UsageError(f"{option} {out}: is the checkpoint being inspected; choose another file")
-    if out.is_dir():
-        raise UsageError(f"{option} {out}: is a folder; choose a file name")
-    if not overwrite:
-        raise UsageError(f"{option} {out}: exists; pass --overwrite to replace it")
+def _check_output(option: str, out: Path, ckpt: Path, overwrite: bool, kind: OutputKind) -> None:
+    """:class:`UsageError` where ``out`` is the checkpoint ``ckpt`` (replaced never), exists
+    without ``overwrite``, or breaks :func:`check_output`'s rule for an output of ``kind`` (in a
+    run or suite folder, or an existing file of another kind)."""
+    if out.exists():
+        if os.path.samefile(out, ckpt):
+            raise UsageError(
+                f"{option} {out}: is the checkpoint being inspected; choose another file"
+            )
+        if out.is_dir():
+            raise UsageError(f"{option} {out}: is a folder; choose a file name")
+        if not overwrite:
+            raise UsageError(f"{option} {out}: exists; pass --overwrite to replace it")
+    check_output(out, kind=kind, overwrite=overwrite)
+
+
+def _check_png_folder(png: Path, ckpt: Path, overwrite: bool) -> None:
+    """:class:`UsageError` where ``png`` is not a folder or its first picture may not be
+    written (:func:`_check_output`)."""
+    if png.exists() and not png.is_dir():
+        raise UsageError(f"--png {png}: is not a folder; give a folder for the pictures")
+    _check_output("--png", png / overlay_name(0), ckpt, overwrite, PNG)
 
 
 class _Run:
@@ -232,7 +247,7 @@ class _Run:
         self.steps = len(names) + self.count
         names += [overlay_name(i) for i in range(self.count)]
         for name in names:
-            _check_output("--png", self.png / name, self.ckpt, self.overwrite)
+            _check_output("--png", self.png / name, self.ckpt, self.overwrite, PNG)
         make_folder(self.png)
 
     def _picture(self, path: Path) -> None:

@@ -32,6 +32,7 @@ from capsctl.layers.algorithm import (
 )
 from capsctl.layers.backend import chunks, dispatch
 from capsctl.layers.backend.native import native_status, native_summary
+from capsctl.layers.backend.triton import aot as gpu_aot
 from capsctl.layers.baseline_capsules import BaselineCapsules
 from capsctl.layers.capsules import (
     CapsuleLayer,
@@ -65,6 +66,7 @@ __all__ = [
     "chunks",
     "dispatch",
     "get_router",
+    "gpu_aot",
     "images_channels_last",
     "list_routers",
     "make_router",

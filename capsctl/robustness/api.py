@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from capsctl.checkpoint import load_checkpoint, stored_preset
+from capsctl.checkpoint import load_checkpoint, resolve_checkpoint, stored_preset
 from capsctl.data.dataset import ArrayDataset
 from capsctl.devices import resolve_device
 from capsctl.errors import CapsctlError, DataError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.losses import eval_loss, top2_correct
+from capsctl.numbers import Range, check_numbers
 from capsctl.robustness.attacks import (
     ATTACK_LOSSES,
     ATTACKS,
@@ -47,9 +48,8 @@ from capsctl.robustness.results import (
     CorruptionRow,
     RobustnessResult,
     ShiftPoint,
-    from_known_fields,
 )
-from capsctl.robustness.shifts import DEFAULT_MAGNITUDES, SHIFTS
+from capsctl.robustness.shifts import DEFAULT_MAGNITUDES, MAX_MAGNITUDES, SHIFTS
 from capsctl.robustness.store import PointStore, fingerprint
 
 __all__ = [
@@ -251,9 +251,9 @@ def _keeper(store: PointStore | None, path: str | Path, s: _Setup, seed: int) ->
 
     def keep(setting: dict[str, Any], kind: Any, measure: Callable[[], Any]) -> Any:
         full = setting | common
-        found = store.get(checkpoint, full)
+        found = store.point(kind, checkpoint, full)
         if found is not None:
-            return from_known_fields(kind, found)
+            return found
         point = measure()
         store.put(checkpoint, full, point.to_dict())
         return point
@@ -268,8 +268,7 @@ def _check_options(attacks: Sequence[str], eps: Sequence[float], steps: int, shi
         raise UsageError(f"--attack {','.join(bad)}: choose from {', '.join(ATTACKS)}")
     if loss not in ATTACK_LOSSES:
         raise UsageError(f"--loss {loss}: choose from {', '.join(ATTACK_LOSSES)}")
-    if any(not 0 <= e <= 1 for e in eps):
-        raise UsageError("--eps: every eps must lie in [0, 1] (pixels are in [0, 1])")
+    check_numbers("--eps", eps, Range(0, 1), "numbers", " (pixels are in [0, 1])")
     if steps < 1:
         raise UsageError(f"--steps {steps}: must be >= 1")
     if shift is not None and shift not in SHIFTS:
@@ -278,6 +277,18 @@ def _check_options(attacks: Sequence[str], eps: Sequence[float], steps: int, shi
         raise UsageError(f"--limit {limit}: must be >= 1")
     if batch_size is not None and batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
+
+
+def _check_magnitudes(shift: str | None, magnitudes: Sequence[float] | None) -> None:
+    if magnitudes is None:
+        return
+    if shift is None:
+        raise UsageError("--magnitudes needs --shift rotate, translate or affine")
+    units = {"rotate": "degrees", "translate": "pixels", "affine": "shares of affNIST's ranges"}
+    within = Range(0, MAX_MAGNITUDES[shift])
+    check_numbers(
+        "--magnitudes", magnitudes, within, "numbers", f" for --shift {shift} ({units[shift]})"
+    )
 
 
 def robustness_checkpoint(
@@ -304,6 +315,11 @@ def robustness_checkpoint(
     ``store``, each setting found there is taken from it and each one measured is kept in it
     (:mod:`capsctl.robustness.store`)."""
     _check_options(attacks, eps, steps, shift, limit, batch_size, loss)
+    _check_magnitudes(shift, magnitudes)
+    path = resolve_checkpoint(path)  # a run folder: its best.safetensors
+    # a repeated setting is measured once, in the order first given
+    attacks, eps = tuple(dict.fromkeys(attacks)), tuple(dict.fromkeys(eps))
+    magnitudes = None if magnitudes is None else tuple(dict.fromkeys(magnitudes))
     t0 = time.perf_counter()
     s = _load(path, data_dir, device, limit, batch_size, loss)
     keep = _keeper(store, path, s, seed)

@@ -33,6 +33,7 @@ __all__ = [
     "AFFNIST_CANVAS",
     "AFFNIST_RANGES",
     "DEFAULT_MAGNITUDES",
+    "MAX_MAGNITUDES",
     "SHIFTS",
     "affnist_set",
     "shifted_images",
@@ -47,6 +48,10 @@ DEFAULT_MAGNITUDES: dict[str, tuple[float, ...]] = {
     "translate": (0.0, 2.0, 4.0, 6.0, 8.0),
     "affine": (0.0, 1.0),
 }
+
+#: The largest magnitude of each shift: half a turn; a shift past the largest 40x40 image;
+#: affNIST's ranges themselves (beyond them the scale range reaches 0 at 5).
+MAX_MAGNITUDES: dict[str, float] = {"rotate": 180.0, "translate": 64.0, "affine": 1.0}
 
 AFFNIST_CANVAS = 40
 #: affNIST's ranges (Tieleman 2013): rotation degrees, shear factor, scale per axis.

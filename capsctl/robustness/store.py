@@ -5,7 +5,8 @@ at one radius, a shift at one magnitude, a corruption at its five severities): t
 fingerprint (resolved path, size, modification time), the setting with every option that
 changes its numbers, and its result. A rerun with the same file takes each setting it finds
 there instead of measuring it again; a retrained checkpoint or other options miss and are
-measured anew. A line cut short by a kill is ignored (its setting is measured again). Lines
+measured anew. A line cut short by a kill is ignored (its setting is measured again); other
+damage (not UTF-8, a line or a result of the wrong shape) is a one-line error. Lines
 are flushed and synced as they are written, so a Ctrl-C or a kill loses at most the setting in
 progress.
 """
@@ -15,13 +16,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from capsctl.errors import UsageError
+from capsctl.config.convert import from_dict
+from capsctl.errors import ConfigError, UsageError
 
 __all__ = ["HEADER", "PointStore", "fingerprint"]
 
 HEADER = {"capsctl": "robustness settings", "version": 1}
+
+T = TypeVar("T")
 
 
 def fingerprint(path: str | Path) -> dict[str, Any]:
@@ -45,26 +49,51 @@ class PointStore:
         if not self.path.exists():
             self._append(HEADER)
             return
-        text = self.path.read_text(encoding="utf-8")
-        lines = text.splitlines()
+        data = self._read()
+        lines = data.splitlines()
         try:
             head = json.loads(lines[0]) if lines else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             head = None
         if head != HEADER:
             raise UsageError(
                 f"--resume-file {self.path}: not a file of finished robustness settings; "
                 "pick another name"
             )
-        for line in lines[1:]:
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the line a kill cut short: measured again
-            self._done[self._key(doc["checkpoint"], doc["setting"])] = doc["result"]
-        if not text.endswith("\n"):  # a kill cut the last line short: start the next one afresh
+        for number, line in enumerate(lines[1:], 2):
+            self._take(number, line)
+        if not data.endswith(b"\n"):  # a kill cut the last line short: start the next one afresh
             with self.path.open("a", encoding="utf-8") as f:
                 f.write("\n")
+
+    def _read(self) -> bytes:
+        try:
+            return self.path.read_bytes()
+        except OSError as e:
+            raise UsageError(
+                f"--resume-file {self.path}: cannot read it ({e.strerror}); pick another name"
+            ) from None
+
+    def _take(self, number: int, line: bytes) -> None:
+        """Line ``number``: a finished setting kept, a line a kill cut short skipped (measured
+        again), anything else refused as damage."""
+        try:
+            doc = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise self.damaged(f"line {number} is not UTF-8 text") from None
+        except json.JSONDecodeError:
+            return  # the line a kill cut short: measured again
+        fields = ("checkpoint", "setting", "result")
+        if not (isinstance(doc, dict) and all(isinstance(doc.get(k), dict) for k in fields)):
+            raise self.damaged(f"line {number} is not a finished setting")
+        self._done[self._key(doc["checkpoint"], doc["setting"])] = doc["result"]
+
+    def damaged(self, what: str) -> UsageError:
+        """The error for a file whose content is damaged: ``what`` says where."""
+        return UsageError(
+            f"--resume-file {self.path}: damaged ({what}); delete it to measure every setting "
+            "again, or pick another name"
+        )
 
     @staticmethod
     def _key(checkpoint: dict[str, Any], setting: dict[str, Any]) -> str:
@@ -79,6 +108,19 @@ class PointStore:
     def get(self, checkpoint: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any] | None:
         """The result kept for this checkpoint and setting, or None."""
         return self._done.get(self._key(checkpoint, setting))
+
+    def point(self, kind: type[T], checkpoint: dict[str, Any], setting: dict[str, Any]) -> T | None:
+        """The result kept for this checkpoint and setting as a ``kind`` (a point or row of
+        :mod:`capsctl.robustness.results`; fields a newer capsctl added are left out), or None;
+        a result of the wrong shape is refused as damage."""
+        found = self.get(checkpoint, setting)
+        if found is None:
+            return None
+        known = {k: v for k, v in found.items() if k in kind.__dataclass_fields__}  # type: ignore[attr-defined]
+        try:
+            return from_dict(kind, known)
+        except ConfigError as e:
+            raise self.damaged(f"a kept {kind.__name__}: {e}") from None
 
     def put(
         self, checkpoint: dict[str, Any], setting: dict[str, Any], result: dict[str, Any]

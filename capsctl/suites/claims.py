@@ -37,9 +37,11 @@ __all__ = [
     "Claim",
     "Difference",
     "judge",
+    "judge_summary",
     "paragraph",
     "parse_claims",
     "verdict",
+    "welch_from_summary",
     "welch_interval",
 ]
 
@@ -121,16 +123,31 @@ def welch_interval(
     """``(mean(a) - mean(b), low, high, degrees of freedom)``: Welch's t interval for the
     difference of two means with unequal variances; None with fewer than two values on either
     side. Where both samples have no spread the interval is the point itself (dof infinite)."""
-    from scipy.stats import t as student_t
-
     if len(a) < 2 or len(b) < 2:
         return None
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    return welch_from_summary(
+        (statistics.fmean(a), statistics.stdev(a), len(a)),
+        (statistics.fmean(b), statistics.stdev(b), len(b)),
+        confidence,
+    )
+
+
+def welch_from_summary(
+    a: tuple[float, float, int], b: tuple[float, float, int], confidence: float = CONFIDENCE
+) -> tuple[float, float, float, float] | None:
+    """:func:`welch_interval` from each side's ``(mean, standard deviation (ddof 1), n)``, as a
+    results file keeps them."""
+    from scipy.stats import t as student_t
+
+    (ma, sa, na), (mb, sb, nb) = a, b
+    if na < 2 or nb < 2:
+        return None
+    diff = ma - mb
+    va, vb = sa**2 / na, sb**2 / nb
     se = math.sqrt(va + vb)
     if se == 0.0:
         return diff, diff, diff, math.inf
-    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    dof = (va + vb) ** 2 / (va**2 / (na - 1) + vb**2 / (nb - 1))
     half = float(student_t.ppf(0.5 + confidence / 2, dof)) * se
     return diff, diff - half, diff + half, dof
 
@@ -149,12 +166,24 @@ def verdict(low: float, high: float, band: float = LEVEL_POINTS) -> str:
 
 def judge(claim: Claim, test: str, a: Sequence[float], b: Sequence[float]) -> Difference:
     """The claim on accuracies ``a`` and ``b`` (fractions in [0, 1], one per seed)."""
-    got = welch_interval([100.0 * v for v in a], [100.0 * v for v in b])
+
+    def summary(v: Sequence[float]) -> tuple[float, float, int]:
+        if not v:
+            return math.nan, math.nan, 0
+        return statistics.fmean(v), statistics.stdev(v) if len(v) >= 2 else math.nan, len(v)
+
+    return judge_summary(claim, test, summary(a), summary(b))
+
+
+def judge_summary(
+    claim: Claim, test: str, a: tuple[float, float, int], b: tuple[float, float, int]
+) -> Difference:
+    """The claim on each side's ``(mean, standard deviation, seeds)`` of accuracy (fractions in
+    [0, 1]), as a results file keeps them."""
+    got = welch_from_summary((100.0 * a[0], 100.0 * a[1], a[2]), (100.0 * b[0], 100.0 * b[1], b[2]))
     if got is None:
-        points = 100.0 * (statistics.fmean(a) - statistics.fmean(b)) if a and b else None
-        return Difference(
-            claim, test, len(a), len(b), points, None, None, None, "inconclusive", False
-        )
+        points = 100.0 * (a[0] - b[0]) if a[2] and b[2] else None
+        return Difference(claim, test, a[2], b[2], points, None, None, None, "inconclusive", False)
     points, low, high, dof = got
     word = verdict(low, high)
     if claim.expect == "level":

@@ -26,15 +26,8 @@ from typing import Any
 
 from capsctl.atomic import fsync_dir, write_atomic
 from capsctl.errors import CapsctlError
-from capsctl.suites.runner import (
-    TESTS_FILE,
-    Pair,
-    check_folder_is_pair,
-    is_finished,
-    missing_tests,
-    plan_pairs,
-    read_json,
-)
+from capsctl.suites.run_files import TESTS_FILE, check_run_files, is_finished, read_json
+from capsctl.suites.runner import Pair, check_folder_is_pair, missing_tests, plan_pairs
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
@@ -174,6 +167,7 @@ def _ready(suite: Suite, pair: Pair) -> dict[str, Any] | None:
     ready, None when it has no folder."""
     if not pair.folder.is_dir():
         return None
+    check_run_files(pair.folder)  # a damaged file is refused, never archived or left out
     if not is_finished(read_json(pair.folder / "results.json")):
         return {"status": "unfinished"}
     lacking = missing_tests(suite, pair.folder)

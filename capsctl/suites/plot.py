@@ -12,6 +12,7 @@ from typing import Any
 
 from capsctl.atomic import check_output, write_atomic
 from capsctl.errors import CapsctlError, UsageError
+from capsctl.outputs import PNG
 
 __all__ = [
     "AXES",
@@ -48,7 +49,7 @@ def check_plot_files(suite: str, folder: str | Path, *, overwrite: bool = False)
         raise UsageError(f"--png {folder}: not a folder; give a folder for the pictures")
     files = plot_files(suite, folder)
     for path in files:
-        check_output(path, overwrite=overwrite)
+        check_output(path, kind=PNG, overwrite=overwrite)
     return files
 
 

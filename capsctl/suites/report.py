@@ -19,13 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.suites.runner import (
-    TESTS_FILE,
-    Pair,
-    epochs_trained,
-    read_json,
-    resolved_pair_preset,
-)
+from capsctl.suites.claims import Difference, judge, paragraph
+from capsctl.suites.run_files import TESTS_FILE, epochs_trained, read_json
+from capsctl.suites.runner import Pair, resolved_pair_preset
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
@@ -121,6 +117,8 @@ class SuiteReport:
     description: str = ""
     #: What the report could not include (a pair left out of a test file, and why).
     notes: list[str] = field(default_factory=list)
+    #: The suite's claims judged on these rows (capsctl/suites/claims.py).
+    claims: list[Difference] = field(default_factory=list)
 
     @property
     def wall_s_total(self) -> float | None:
@@ -142,6 +140,8 @@ class SuiteReport:
             "runs": self.runs,
             "wall_s_total": self.wall_s_total,
             "notes": self.notes,
+            "claims": [d.to_dict() for d in self.claims],
+            "claims_text": paragraph(self.claims),
         }
 
 
@@ -261,8 +261,24 @@ def report_suite(
                 robustness=robust if robustness is not None else None,
             )
         )
-    folders = " + ".join(str(r) for r in roots)
-    return SuiteReport(suite.name, folders, tests, rows, suite.description, notes)
+    claims = judge_claims(suite, rows, tests)
+    return SuiteReport(suite.name, _joined(roots), tests, rows, suite.description, notes, claims)
+
+
+def _joined(roots: Sequence[Path]) -> str:
+    return " + ".join(str(r) for r in roots)
+
+
+def judge_claims(suite: Suite, rows: Sequence[MemberRow], tests: Sequence[str]) -> list[Difference]:
+    """Each claim of the suite on the members' accuracies over seeds (its test file, else the
+    first of ``tests``)."""
+    by_name = {r.member: r for r in rows}
+    out = []
+    for claim in suite.claims:
+        test = claim.test or tests[0]
+        a, b = (by_name[m].tests.get(test) for m in (claim.a, claim.b))
+        out.append(judge(claim, test, a.values if a else [], b.values if b else []))
+    return out
 
 
 def _machine(records: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -10,6 +10,8 @@ import io
 from pathlib import Path
 from typing import Any
 
+from capsctl.atomic import check_output, write_text_atomic
+from capsctl.outputs import RESULTS_CSV
 from capsctl.suites.report import SuiteReport
 
 __all__ = [
@@ -107,13 +109,10 @@ def results_csv(report: SuiteReport) -> str:
 
 
 def write_results(report: SuiteReport, path: Path, *, overwrite: bool = False) -> Path:
-    """Write the report's results file (refusing an existing file unless ``overwrite``)."""
-    from capsctl.atomic import write_text_atomic
-    from capsctl.errors import UsageError
-
-    if path.exists() and not overwrite:
-        raise UsageError(f"--results {path}: exists; pass --overwrite to replace it")
-    write_text_atomic(path, results_csv(report))
+    """Write the report's results file (:func:`check_output`: an existing file only with
+    ``overwrite`` and only when it is a results file, never in a run or suite folder)."""
+    check_output(path, kind=RESULTS_CSV, overwrite=overwrite)
+    write_text_atomic(path, results_csv(report), overwrite=overwrite)
     return path
 
 

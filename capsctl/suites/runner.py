@@ -11,18 +11,20 @@ Layout: ``OUT/<member>/seed-<seed>/`` is an ordinary ``capsctl train`` run folde
 - ``new``: trained from the start.
 
 A pair's folder must hold the pair's own preset: a folder trained with another recipe is an
-error, never resumed or overwritten. Ctrl-C or SIGTERM stops the current run at its next step
-with a resumable checkpoint (:mod:`capsctl.training.interrupt`) and ends the suite; running the
-same command again continues where it stopped.
+error, never resumed or overwritten. Before the first run, every chosen pair is checked
+(:func:`check_suite`): its member's preset and model, its folder's preset and run files (a
+damaged one is an error naming it, :mod:`capsctl.suites.run_files`). Ctrl-C or SIGTERM stops
+the current run at its next step with a resumable checkpoint (:mod:`capsctl.training.interrupt`)
+and ends the suite; running the same command again continues where it stopped.
 
-:func:`pair_commands` prints each pair as one ``capsctl train`` command line, so the pairs can
-be handed to a scheduler; ``capsctl suite report`` scores what those runs lack.
+The pairs as ``capsctl train`` command lines, for a scheduler, are
+:func:`capsctl.suites.commands.pair_commands`'s; ``capsctl suite report`` scores what those runs
+lack.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,16 +35,23 @@ from capsctl.atomic import write_text_atomic
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.provenance import provenance
+from capsctl.suites.run_files import (
+    TESTS_FILE,
+    check_run_files,
+    epochs_trained,
+    is_finished,
+    read_json,
+)
 from capsctl.suites.spec import Member, Suite
 
 __all__ = [
     "TESTS_FILE",
     "Pair",
+    "check_suite",
     "epochs_trained",
     "is_finished",
     "matched_budget",
     "missing_tests",
-    "pair_commands",
     "pair_status",
     "plan_pairs",
     "read_json",
@@ -51,7 +60,6 @@ __all__ = [
     "score_run",
 ]
 
-TESTS_FILE = "tests.json"
 #: Preset fields that may differ between a pair's folder and the suite without it being another
 #: run: where the data lives, the device, and a matched member's measured time limit.
 _FREE_FIELDS = (("data", "data_dir"), ("data", "download"), ("train", "device"))
@@ -99,13 +107,48 @@ def plan_pairs(
 
 
 def resolved_pair_preset(suite: Suite, pair: Pair, time_limit: float | None = None) -> Any:
-    """The :class:`~capsctl.config.Preset` a pair trains (with a matched member's time limit)."""
+    """The :class:`~capsctl.config.Preset` a pair trains (with a matched member's time limit);
+    an error names the member."""
     from capsctl.config import load_preset
 
     overrides = suite.overrides(pair.member, pair.seed)
     if time_limit is not None:
         overrides.append(f"train.time_limit={time_limit:.0f}")
-    return load_preset(suite.recipe, overrides)
+    try:
+        return load_preset(suite.recipe, overrides)
+    except CapsctlError as e:
+        raise _of_member(e, suite, pair.member) from None
+
+
+def _of_member(error: CapsctlError, suite: Suite, member: Member) -> CapsctlError:
+    """``error`` as one line that names the suite's member it is about."""
+    message = f"suite {suite.name}, member {member.name}: {error}"
+    if isinstance(error, UsageError):
+        return type(error)(message)
+    return CapsctlError(message, exit_code=error.exit_code)
+
+
+def check_suite(suite: Suite, pairs: Sequence[Pair]) -> None:
+    """Refuse, before the first run starts, what would stop the suite at a pair's turn, maybe
+    hours in: a member whose preset does not resolve (its ``set:`` against the schema, its
+    model registered and built, without weights, on the meta device), a pair folder of another
+    preset or a damaged run file. Errors name the member or the file."""
+    import torch
+
+    from capsctl.models import build_model_from_config
+
+    built: set[str] = set()
+    for pair in pairs:
+        preset = resolved_pair_preset(suite, pair)
+        if pair.member.name not in built:
+            try:
+                with torch.device("meta"):  # the layers' shapes: no memory, no time
+                    build_model_from_config(preset.model)
+            except CapsctlError as e:
+                raise _of_member(e, suite, pair.member) from None
+            built.add(pair.member.name)
+        check_folder_is_pair(suite, pair)
+        check_run_files(pair.folder)
 
 
 def _comparable(preset_dict: dict[str, Any], matched: bool) -> dict[str, Any]:
@@ -120,13 +163,12 @@ def _comparable(preset_dict: dict[str, Any], matched: bool) -> dict[str, Any]:
 
 
 def _stored_preset(folder: Path) -> dict[str, Any] | None:
-    from capsctl.config.yaml_io import load_yaml
+    from capsctl.config.yaml_io import read_preset_file
 
     path = folder / "preset.yaml"
     if not path.exists():
         return None
-    data = load_yaml(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else None
+    return read_preset_file(path)  # a damaged one is a one-line error naming it
 
 
 def check_folder_is_pair(suite: Suite, pair: Pair) -> None:
@@ -148,10 +190,16 @@ def check_folder_is_pair(suite: Suite, pair: Pair) -> None:
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:
     if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
+        for k in sorted(set(a) | set(b), key=str):
             if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
-    return f"{path}: {a!r} in the folder, {b!r} in the suite"
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+    return f"{path}: {_short(a)} in the folder, {_short(b)} in the suite"
+
+
+def _short(value: Any) -> str:
+    """``value``'s repr cut to 40 characters (an error message stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def pair_status(suite: Suite, pair: Pair) -> str:
@@ -162,46 +210,6 @@ def pair_status(suite: Suite, pair: Pair) -> str:
     if (f / "last.safetensors").exists():
         return "partial"
     return "new"
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file's content; ``{}`` when it is missing, unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def is_finished(results: dict[str, Any]) -> bool:
-    """Whether a ``results.json`` content is a finished run's: it has the final test, or it is
-    a record restored from a results file (``restored_from``; its final test was not kept)."""
-    return bool(results.get("test")) or bool(results.get("restored_from"))
-
-
-def _epoch_images(record: dict[str, Any]) -> float | None:
-    """The images one epoch's record says it trained on (older records: rate x time)."""
-    if isinstance(record.get("images"), (int, float)):
-        return float(record["images"])
-    rate, seconds = record.get("images_per_s"), record.get("epoch_seconds")
-    if isinstance(rate, (int, float)) and isinstance(seconds, (int, float)):
-        return float(rate) * float(seconds)
-    return None
-
-
-def epochs_trained(results: dict[str, Any]) -> float:
-    """The epochs a run trained (its ``results.json``): its whole epochs, plus the part of the
-    last one when a time limit cut it short (its images against a whole epoch's)."""
-    done = float(results.get("epochs_done", 0))
-    history = [h for h in results.get("history", []) if isinstance(h, dict)]
-    if not history or not history[-1].get("time_limit"):
-        return done
-    whole = [_epoch_images(h) for h in history[:-1]]
-    full = max((w for w in whole if w), default=None)
-    last = _epoch_images(history[-1])
-    if full is None or last is None:
-        return done  # nothing to measure a whole epoch by
-    return done - 1 + min(1.0, round(last / full, 6))
 
 
 def missing_tests(suite: Suite, folder: Path) -> list[str]:
@@ -244,14 +252,14 @@ def score_run(
     return doc
 
 
-def _record_provenance(folder: Path, resumed: bool, record: dict[str, Any] | None = None) -> None:
+def _record_provenance(folder: Path, resumed: bool, record: dict[str, Any]) -> None:
     """Append this process's commit, machine and versions (``record``: as taken when its
     training started, since the checkout may move on while it trains) to the run's
     ``provenance.json``: every process that trained a run is named (a resumed run has
-    several)."""
+    several). A damaged file is refused (:func:`read_json`), never replaced."""
     path = folder / "provenance.json"
-    doc = read_json(path) or {"trained_by": []}
-    doc["trained_by"].append({**(record or provenance()), "resumed": resumed})
+    doc = read_json(path)
+    doc.setdefault("trained_by", []).append({**record, "resumed": resumed})
     write_text_atomic(path, json.dumps(doc, indent=2))
 
 
@@ -277,8 +285,7 @@ def run_suite(
     from capsctl.training.ownership import FolderBusy
 
     pairs = plan_pairs(suite, out, only, seeds)
-    for p in pairs:
-        check_folder_is_pair(suite, p)
+    check_suite(suite, pairs)
     done: list[dict[str, Any]] = []
     for index, pair in enumerate(pairs):
         status = pair_status(suite, pair)
@@ -327,60 +334,36 @@ def _train_pair(
     data_dir: str | None,
 ) -> None:
     """Train a new pair (``limit``: a matched member's time limit) or resume a partial one,
-    and record what trained it."""
+    and record what trained it, once this process holds the pair's folder: a pair another
+    process holds (busy) gets no record from this one."""
     from capsctl.training import train_from_preset
 
-    common = {"on_event": on_event, "handle_sigint": handle_sigint, "data_dir": data_dir}
-    if resume:
-        _record_provenance(pair.folder, True)
-        train_from_preset(resume=pair.folder / "last.safetensors", **common)
-        return
-    overrides = suite.overrides(pair.member, pair.seed)
-    if limit is not None:
-        overrides.append(f"train.time_limit={limit:.0f}")
     started = provenance()  # the code that trains: the commit as it starts
-    recorded = False
+    state = {"owned": False, "recorded": False}
 
     def record(event: dict[str, Any] | None = None) -> None:
-        """Name the starting commit once the run folder holds a checkpoint (the first one, or
-        the one an interruption leaves), so a run resumed later keeps it."""
-        nonlocal recorded
-        if event is not None and on_event is not None:
-            on_event(event)
-        due = event is None or event.get("event") == "checkpoint"
-        if due and not recorded and (pair.folder / "last.safetensors").exists():
-            _record_provenance(pair.folder, False, started)
-            recorded = True
+        """Name the starting commit once this process holds the folder and the folder holds a
+        checkpoint: a resumed run at its ``resume`` event, a new one at its first checkpoint
+        (or the one an interruption leaves), so a run resumed later keeps it."""
+        kind = None if event is None else event.get("event")
+        if event is not None:
+            state["owned"] = True  # training emits nothing before it holds the folder's lock
+            if on_event is not None:
+                on_event(event)
+        due = kind == "resume" if resume else kind in (None, "checkpoint")
+        due = due and state["owned"] and not state["recorded"]
+        if due and (pair.folder / "last.safetensors").exists():
+            _record_provenance(pair.folder, resume, started)
+            state["recorded"] = True
 
+    common = {"on_event": record, "handle_sigint": handle_sigint, "data_dir": data_dir}
     try:
-        train_from_preset(
-            suite.recipe, out=pair.folder, overrides=overrides, **common | {"on_event": record}
-        )
+        if resume:
+            train_from_preset(resume=pair.folder / "last.safetensors", **common)
+            return
+        overrides = suite.overrides(pair.member, pair.seed)
+        if limit is not None:
+            overrides.append(f"train.time_limit={limit:.0f}")
+        train_from_preset(suite.recipe, out=pair.folder, overrides=overrides, **common)
     finally:
         record()
-
-
-def pair_commands(
-    suite: Suite, out: Path, only: Sequence[str] = (), seeds: Sequence[int] = ()
-) -> list[str]:
-    """One ``capsctl train`` command line per pair (shell-quoted); a matched member whose
-    budget is not known yet gets a ``#`` comment line instead."""
-    lines = []
-    recipe = suite.recipe
-    limit = matched_budget(suite, out)
-    for pair in plan_pairs(suite, out, only, seeds):
-        overrides = suite.overrides(pair.member, pair.seed)
-        if pair.member.budget == "matched":
-            if limit is None:
-                lines.append(
-                    f"# {pair.label}: its time limit is the median wall time of the other "
-                    "members' finished runs; print the commands again once they have finished"
-                )
-                continue
-            overrides.append(f"train.time_limit={limit:.0f}")
-        words = ["capsctl", "train", "--preset", recipe]
-        for o in overrides:
-            words += ["--set", o]
-        words += ["--out", str(pair.folder)]
-        lines.append(shlex.join(words))
-    return lines

@@ -20,22 +20,42 @@ A suite file (bundled ones live in ``presets/suites/``)::
 
 Each (member, seed) pair is one ``capsctl train`` run: the recipe preset with the suite's
 ``set``, then the member's ``set``, then ``train.seed``. Nothing here trains or prints.
+
+Names (a member's, and the suite's) name folders and are printed in shell commands: letters,
+digits, ``.``, ``_`` and ``-`` only. No text of a suite holds a control character (an escape
+sequence would drive the terminal) and none but a description or a note a line break (its line
+breaks become spaces): such a file is refused, naming the field and the member.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from capsctl.errors import ConfigError, UsageError
+from capsctl.suites.claims import Claim, parse_claims
 
-__all__ = ["Member", "Published", "Suite", "list_suites", "load_suite", "suite_dirs"]
+__all__ = [
+    "CONTROL_CHARS",
+    "Member",
+    "Published",
+    "Suite",
+    "list_suites",
+    "load_suite",
+    "suite_dirs",
+]
 
 Budget = Literal["epochs", "matched"]
 _SUFFIXES = (".yaml", ".yml")
+#: A member's (and a suite's) name: it names folders and files, and is printed in commands.
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+#: Characters no text of a suite holds: line breaks and what a terminal would obey (C0, C1).
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_MAX_SEED = 2**32 - 1  # as the presets' train.seed
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,7 @@ class Suite:
     description: str = ""
     source: str = ""
     results: str = ""  # the results file of the package this suite's measured rows go to
+    claims: tuple[Claim, ...] = ()  # differences the report judges (capsctl/suites/claims.py)
 
     def member(self, name: str) -> Member:
         for m in self.members:
@@ -100,6 +121,7 @@ class Suite:
             "seeds": list(self.seeds),
             "tests": list(self.tests),
             "results": self.results,
+            "claims": [asdict(c) for c in self.claims],
             "members": [
                 {
                     "name": m.name,
@@ -156,17 +178,42 @@ def _find(name_or_path: str | os.PathLike[str]) -> Path:
 
 def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
     """A bundled suite by name, or a suite YAML file; ConfigError naming the field if invalid."""
-    from capsctl.config.yaml_io import load_yaml
+    from capsctl.config.yaml_io import parse_yaml
 
     path = _find(name_or_path)
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"suite {path}: not a UTF-8 text file; pass a suite YAML file") from None
     except OSError as e:
         raise UsageError(f"suite {path}: cannot be read ({e.strerror})") from None
-    raw = load_yaml(text) if text.strip() else None
+    raw = parse_yaml(text, str(path)) if text.strip() else None
     if raw is None:
         raise ConfigError(f"suite {path}: the file is empty; see capsctl suite list")
     return suite_from_dict(raw, str(path), default_name=path.stem)
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a short one-line repr for an error message."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _line(value: str, where: str) -> str:
+    """``value`` when it is one line of text; ConfigError naming ``where`` otherwise (a line
+    break would end a printed command, an escape sequence would drive the terminal)."""
+    if CONTROL_CHARS.search(value):
+        raise ConfigError(
+            f"{where}: {_shown(value)} holds a line break or control character; write it as one "
+            "line of plain text"
+        )
+    return value
+
+
+def _prose(value: Any, where: str) -> str:
+    """Free text (a description, a note): its whitespace runs, line breaks included, as one
+    space; other control characters are refused."""
+    return _line(" ".join(str(value).split()), where)
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:
@@ -176,40 +223,60 @@ def _strings(value: Any, where: str) -> tuple[str, ...]:
         raise ConfigError(f"{where}: must be a list of strings")
     if not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{where}: must be a list of strings")
-    return tuple(value)
+    return tuple(_line(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 
 def _seeds(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
         raise ConfigError(f"{where}: must be a non-empty list of integers")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ConfigError(f"{where}: must be a non-empty list of integers >= 0")
+    if not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_SEED for v in value
+    ):
+        raise ConfigError(f"{where}: must be a non-empty list of integers from 0 to {_MAX_SEED}")
     if len(set(value)) != len(value):
         raise ConfigError(f"{where}: a seed is listed twice")
     return tuple(value)
 
 
 def _check_keys(data: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    unknown = sorted(set(data) - set(allowed))
+    unknown = sorted(str(k) for k in data if k not in allowed)
     if unknown:
-        raise ConfigError(
-            f"{where}.{unknown[0]}: unknown field; expected one of {', '.join(allowed)}"
-        )
+        field = unknown[0] if _PLAIN_NAME.fullmatch(unknown[0]) else _shown(unknown[0])
+        raise ConfigError(f"{where}.{field}: unknown field; expected one of {', '.join(allowed)}")
 
 
 _MEMBER_KEYS = ("name", "set", "seeds", "budget", "published", "note")
-_SUITE_KEYS = ("name", "description", "recipe", "set", "seeds", "tests", "members", "results")
+_SUITE_KEYS = (
+    "name",
+    "description",
+    "recipe",
+    "set",
+    "seeds",
+    "tests",
+    "members",
+    "results",
+    "claims",
+)
 
 
-def _member(data: Any, where: str) -> Member:
+def _plain_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where}: {_shown(name)} is not a plain name; use letters, digits, '.', '_' and '-', "
+            "not starting with '.' (it names folders and is printed in commands)"
+        )
+    return name
+
+
+def _member(data: Any, index: int) -> Member:
+    where = f"suite.members[{index}]"
     if isinstance(data, str):
         data = {"name": data}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: must be a mapping with a name")
+    name = _plain_name(data.get("name"), f"{where}.name")
+    where = f"{where} ({name})"  # every later error names the member
     _check_keys(data, _MEMBER_KEYS, where)
-    name = data.get("name")
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-        raise ConfigError(f"{where}.name: must be a plain name (it names the run folder)")
     budget = data.get("budget", "epochs")
     if budget not in ("epochs", "matched"):
         raise ConfigError(f"{where}.budget: {budget!r}; use epochs or matched")
@@ -219,7 +286,10 @@ def _member(data: Any, where: str) -> Member:
         if not isinstance(pub, Mapping) or "top1" not in pub or "source" not in pub:
             raise ConfigError(f"{where}.published: needs top1 and source")
         _check_keys(pub, ("top1", "source", "setting"), f"{where}.published")
-        published = Published(str(pub["top1"]), str(pub["source"]), str(pub.get("setting", "")))
+        fields = ("top1", "source", "setting")
+        published = Published(
+            **{k: _prose(pub.get(k, ""), f"{where}.published.{k}") for k in fields}
+        )
     seeds = data.get("seeds")
     return Member(
         name=name,
@@ -227,7 +297,7 @@ def _member(data: Any, where: str) -> Member:
         seeds=None if seeds is None else _seeds(seeds, f"{where}.seeds"),
         budget=budget,
         published=published,
-        note=str(data.get("note", "")),
+        note=_prose(data.get("note", ""), f"{where}.note"),
     )
 
 
@@ -239,24 +309,27 @@ def suite_from_dict(raw: Any, source: str, default_name: str = "") -> Suite:
     recipe = raw.get("recipe")
     if not isinstance(recipe, str) or not recipe:
         raise ConfigError("suite.recipe: must name a preset (see capsctl presets)")
+    _line(recipe, "suite.recipe")
     members_raw = raw.get("members")
     if not isinstance(members_raw, Sequence) or isinstance(members_raw, str) or not members_raw:
         raise ConfigError("suite.members: must be a non-empty list")
-    members = tuple(_member(m, f"suite.members[{i}]") for i, m in enumerate(members_raw))
+    members = tuple(_member(m, i) for i, m in enumerate(members_raw))
     names = [m.name for m in members]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ConfigError(f"suite.members: {dup!r} is listed twice")
     if all(m.budget == "matched" for m in members):
         raise ConfigError("suite.members: a matched budget needs at least one epochs member")
+    name = raw.get("name")
     return Suite(
-        name=str(raw.get("name") or default_name),
+        name=default_name if name is None else _plain_name(name, "suite.name"),
         recipe=recipe,
         members=members,
         seeds=_seeds(raw.get("seeds"), "suite.seeds"),
         set=_strings(raw.get("set"), "suite.set"),
         tests=_strings(raw.get("tests"), "suite.tests"),
-        description=" ".join(str(raw.get("description", "")).split()),
+        description=_prose(raw.get("description", ""), "suite.description"),
         source=source,
-        results=str(raw.get("results", "")),
+        results=_line(str(raw.get("results", "")), "suite.results"),
+        claims=tuple(parse_claims(raw.get("claims"), names, "suite")),
     )

@@ -9,24 +9,17 @@ from typing import Any
 from capsctl.config import Preset, apply_overrides, load_preset, preset_from_dict, preset_to_dict
 from capsctl.errors import UsageError
 from capsctl.events import EventFn
+from capsctl.numbers import duration_seconds
 from capsctl.training.resume import load_resume_preset
 from capsctl.training.trainer import FitResult, fit
 
 __all__ = ["flag_overrides", "parse_duration", "resolve_run", "train_from_preset"]
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
-
 
 def parse_duration(text: str, what: str = "duration") -> float:
     """Seconds of ``text``: a number of seconds, or a number with ``s``, ``m`` or ``h``
     (``90s``, ``30m``, ``1.5h``); UsageError otherwise."""
-    raw = text.strip().lower()
-    scale = _UNITS.get(raw[-1:])
-    number = raw[:-1] if scale is not None else raw
-    try:
-        seconds = float(number) * (scale or 1.0)
-    except ValueError:
-        seconds = float("nan")
+    seconds = duration_seconds(text)  # the syntax of --time-limit's parser (capsctl/numbers.py)
     if seconds <= 0:
         raise UsageError(f"{what} {text!r}: must be more than 0 seconds (e.g. 90s, 30m, 1.5h)")
     if not seconds > 0 or seconds == float("inf"):
@@ -111,9 +104,13 @@ def train_from_preset(
     """Train a preset (a bundled name or a YAML file) or resume a run, as ``capsctl train`` does.
 
     ``overrides`` are ``--set dotted.path=value`` strings; ``flags`` are the command's shortcuts
-    (see :func:`flag_overrides`) and apply after them.
+    (see :func:`flag_overrides`) and apply after them, except ``router`` (a routing algorithm's
+    name: the preset's model with that router and its own defaults), which applies before them
+    so that ``--set model.router.iterations=5`` reaches the new router.
     """
-    p, run_dir = resolve_run(preset, resume, out, [*overrides, *flag_overrides(**flags)])
+    router = flags.pop("router", None)
+    first = [f"model.router={router}"] if router else []
+    p, run_dir = resolve_run(preset, resume, out, [*first, *overrides, *flag_overrides(**flags)])
     return fit(
         p,
         run_dir,

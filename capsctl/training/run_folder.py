@@ -20,9 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from capsctl.atomic import write_text_atomic
+from capsctl.atomic import check_output, write_text_atomic
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
+from capsctl.outputs import RUN
 
 __all__ = [
     "BEST",
@@ -48,12 +49,14 @@ CURVES = "curves.png"
 
 
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse an ``--out`` that is a file, or that holds a run when neither ``--resume`` nor
+    """Refuse an ``--out`` that is a file, a suite's folder or in another run's folder
+    (:func:`capsctl.atomic.check_output`), or that holds a run when neither ``--resume`` nor
     ``--overwrite`` is given. Nothing is deleted here: ``--overwrite`` replaces the old run
     only once the new one has written its first checkpoint
     (:class:`capsctl.training.ownership.StagedReplace`)."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a folder; choose another path")
+    check_output(out, kind=RUN)
     if holds_run(out) and not (resume or overwrite):
         if not (out / LAST).exists():  # killed between its first best and last checkpoints
             raise UsageError(

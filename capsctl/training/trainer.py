@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ class Trainer(RunSetUp, RunEnd):
         if interrupted_in is not None:
             raise Interrupted(
                 f"interrupted during epoch {interrupted_in + 1}; the run is saved, resume with "
-                f"capsctl train --resume {self.out / files.LAST}",
+                f"capsctl train --resume {shlex.quote(str(self.out / files.LAST))}",
                 exit_code=stop_exit_code(flag),
             )
         return self.finish()

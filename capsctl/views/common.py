@@ -4,7 +4,9 @@ Only the CLI and the views import this package. ``NO_COLOR`` is honoured by rich
 
 Both consoles print strings verbatim (``markup=False``): paths, class names and messages may
 hold brackets (``runs/exp[final]/best.safetensors``) and must show as typed. Styling is done
-with :class:`rich.text.Text` (:func:`styled`), never with markup in a string.
+with :class:`rich.text.Text` (:func:`styled`), never with markup in a string. Neither console
+writes a control character it was given as text (an escape sequence in a name read from a
+file): they are dropped.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType
+from rich.segment import Segment
 from rich.status import Status
 from rich.text import Text
 
@@ -31,8 +35,26 @@ def _width(stream: object) -> int | None:
     return None if callable(isatty) and isatty() else 160
 
 
-out = Console(highlight=False, markup=False, width=_width(sys.stdout))
-err = Console(stderr=True, highlight=False, markup=False, width=_width(sys.stderr))
+#: Characters a terminal obeys rather than shows (C0 but tab and newline, DEL, C1): an escape
+#: sequence in a name read from a file could retitle the window, clear the screen or hide text.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class _PlainConsole(Console):
+    """A console that never writes a control character it was given as text (they are dropped:
+    they take no cell, so tables keep their layout); its own styles and cursor moves stay."""
+
+    def render(
+        self, renderable: RenderableType, options: ConsoleOptions | None = None
+    ) -> Iterable[Segment]:
+        for segment in super().render(renderable, options):
+            if segment.control is None and _CONTROL.search(segment.text):
+                segment = Segment(_CONTROL.sub("", segment.text), segment.style)
+            yield segment
+
+
+out = _PlainConsole(highlight=False, markup=False, width=_width(sys.stdout))
+err = _PlainConsole(stderr=True, highlight=False, markup=False, width=_width(sys.stderr))
 
 
 def styled(*parts: str | tuple[str, str]) -> Text:
@@ -61,6 +83,13 @@ def print_json(doc: Any) -> None:
     infinite number is written as null."""
     text = json.dumps(_finite(doc), indent=2, default=str, allow_nan=False)
     sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def print_plain(text: str) -> None:
+    """Text made to be read by programs (CSV, command lines) on stdout as it is, less any
+    control character a terminal would obey (tab and newline stay)."""
+    sys.stdout.write(_CONTROL.sub("", text))
     sys.stdout.flush()
 
 

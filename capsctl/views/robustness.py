@@ -43,8 +43,10 @@ def _secs(v: float | None) -> str:
 def _footer(results: Sequence[Any]) -> None:
     r = results[0]
     if any(x.attacks for x in results):
+        cw = r.loss_name == "cw_margin"  # every result's attacks use the one --loss
+        loss = "the Carlini-Wagner margin loss (--loss cw)" if cw else "each model's own loss"
         note(
-            f"attacks: white-box L-inf on [0, 1] pixels with each model's own loss; PGD: "
+            f"attacks: white-box L-inf on [0, 1] pixels with {loss}; PGD: "
             f"random start, {r.steps} steps of 2.5 * eps / steps (Madry et al.); success rate "
             "over the images correct before the attack"
         )

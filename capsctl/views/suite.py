@@ -108,6 +108,7 @@ def print_suite_report(doc: dict[str, Any]) -> None:
             notes.append(f"*{r['member']}: {pub['source']}; {pub['setting']}")
     title = f"suite {doc['suite']}: {doc['folder']}"
     out.print(table(title, cols, body, right=tuple(range(1, len(cols)))))
+    _print_claims(doc)
     for test in doc["tests"]:
         n = next(
             (r["tests"][test]["images"] for r in doc["rows"] if r["tests"][test]["images"]), None
@@ -143,3 +144,12 @@ def _published(top1: str) -> str:
     except ValueError:
         return top1
     return "-".join(f"{100 * p:.2f}" for p in parts)
+
+
+def _print_claims(doc: dict[str, Any]) -> None:
+    """The suite's claims, each as a difference with its interval and verdict."""
+    if not doc.get("claims"):
+        return
+    out.print(Text("claims, as differences with a 95% interval over seeds (Welch):"))
+    for line in doc["claims_text"].splitlines():
+        out.print(Text(line))

@@ -30,7 +30,6 @@ accumulator per thread, added up in a fixed order, so results do not depend on t
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -42,7 +41,7 @@ import torch
 from torch import Tensor
 
 from capsctl.devices import denormals_flushed
-from capsctl.errors import UsageError
+from capsctl.environment import positive
 
 __all__ = [
     "CHUNK_ENV",
@@ -102,14 +101,8 @@ def vote_chunk_bytes(like: Tensor, fixed: int = 0) -> int:
     ``CAPSCTL_CHUNK_MIB`` that is not a positive number."""
     if fixed > 0 and like.device.type == "cpu":
         return fixed
-    env = os.environ.get(CHUNK_ENV, "").strip()
-    if env:
-        try:
-            mib = float(env)
-        except ValueError:
-            mib = 0.0
-        if not (math.isfinite(mib) and mib > 0):
-            raise UsageError(f"{CHUNK_ENV} must be a positive number of MiB, got {env!r}")
+    mib = positive(CHUNK_ENV)
+    if mib is not None:
         return max(1, int(mib * 2**20))
     if like.device.type != "cpu":
         return DEVICE_CHUNK_BYTES
@@ -146,12 +139,8 @@ def site_workers(like: Tensor) -> int:
     """
     if like.device.type != "cpu" or getattr(_WORKER, "active", False):
         return 1
-    env = os.environ.get(THREADS_ENV, "").strip()
-    if not env:
-        return max(1, torch.get_num_threads())
-    if not (env.isdigit() and int(env) > 0):
-        raise UsageError(f"{THREADS_ENV} must be a positive whole number of threads, got {env!r}")
-    return int(env)
+    threads = positive(THREADS_ENV)
+    return max(1, torch.get_num_threads()) if threads is None else int(threads)
 
 
 def site_spans(bsz: int, bc: int, workers: int) -> list[tuple[int, int]]:

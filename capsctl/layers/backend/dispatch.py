@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from capsctl.environment import switch
 from capsctl.layers.backend import native
 from capsctl.layers.backend import triton as triton_backend
 
@@ -118,8 +119,8 @@ def triton_status(device: torch.device | str) -> str:
     """Why the Triton kernels cannot run on ``device`` ("" where they can). The first time
     they could, on each device, they run their self-test (capsctl/layers/backend/triton/
     check.py); a device where it fails keeps the torch code, with one warning."""
-    if os.environ.get(TRITON_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
-        return f"the Triton kernels are off ({TRITON_ENV}=0)"
+    if not switch(TRITON_ENV, default=True):
+        return f"the Triton kernels are off ({TRITON_ENV}={os.environ[TRITON_ENV].strip()})"
     why = triton_backend.unavailable(device)
     if why:
         return why

@@ -48,6 +48,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from capsctl.environment import switch
 from capsctl.layers.backend import native_check
 from capsctl.user_cache import CACHE_ENV as USER_CACHE_ENV
 from capsctl.user_cache import cache_root, not_private
@@ -289,11 +290,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    """The library and a one-line status (built once per process; never raises). A library
+    """The library and a one-line status (built once per process; raises only a UsageError for
+    a ``CAPSCTL_NATIVE`` that is not a switch, capsctl/environment.py). A library
     that fails a check (capsctl/layers/backend/native_check.py) is not used: a warning, torch
     code."""
-    if os.environ.get(NATIVE_ENV, "").strip() == "0":
-        return None, f"off ({NATIVE_ENV}=0)"
+    if not switch(NATIVE_ENV, default=True):
+        return None, f"off ({NATIVE_ENV}={os.environ[NATIVE_ENV].strip()})"
     cxx = _compiler()
     if cxx is None:
         return None, "off (no C++ compiler found; set CXX or install g++)"
