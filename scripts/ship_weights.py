@@ -78,7 +78,9 @@ def ship(
     entry = {
         "name": name,
         "model": _model_name(model),
-        "router": (model.get("router") or {}).get("name"),
+        "router": (model.get("router") or {}).get("name")
+        if model.get("arch") == "capsnet"
+        else None,
         "dataset": meta.get("dataset"),
         "test_set": meta.get("test_name") or "test",
         "accuracy": round(float(result.accuracy), 6),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from capsctl.views.common import fmt_bytes, fmt_int, fmt_pct, note, out, table
+from capsctl.views.common import fmt_int, fmt_pct, note, out, table
 
 __all__ = ["print_models", "print_presets"]
 
@@ -50,7 +50,7 @@ def print_weights(rows: Sequence[dict[str, Any]]) -> None:
                     r["test_set"],
                     fmt_pct(r["accuracy"]),
                     fmt_int(r["params"]),
-                    fmt_bytes(r["bytes"]),
+                    f"{r['bytes'] / 1e6:.1f} MB",
                 ]
                 for r in rows
             ],
