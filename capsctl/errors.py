@@ -8,13 +8,15 @@ from collections.abc import Sequence
 
 #: The most names one error line lists (the closest to what was typed first).
 NAMES_LISTED = 4
+#: Names that fit in this many characters are all listed.
+NAMES_CHARS = 100
 
 
 def some_names(names: Sequence[str], typed: str, listed_by: str) -> str:
     """``names`` for a one-line error: all of them when there are at most
-    :data:`NAMES_LISTED`; else the ones closest to ``typed``, then ``"... (N in all:
-    <listed_by>)"``; ``"none"`` when there are none."""
-    if len(names) <= NAMES_LISTED:
+    :data:`NAMES_LISTED` or they fit in :data:`NAMES_CHARS` characters; else the ones closest
+    to ``typed``, then ``"... (N in all: <listed_by>)"``; ``"none"`` when there are none."""
+    if len(names) <= NAMES_LISTED or len(", ".join(names)) <= NAMES_CHARS:
         return ", ".join(names) or "none"
     close = difflib.get_close_matches(typed, names, n=NAMES_LISTED, cutoff=0)
     return f"{', '.join(close)}, ... ({len(names)} in all: {listed_by})"

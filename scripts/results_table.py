@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from capsctl.atomic import write_text_atomic  # noqa: E402
-from capsctl.suites import load_suite  # noqa: E402
+from capsctl.suites import list_suites, load_suite  # noqa: E402
 from capsctl.suites.claims import judge_summary, paragraph  # noqa: E402
 from capsctl.suites.results_file import read_results  # noqa: E402
 from capsctl.views.common import fmt_duration  # noqa: E402
@@ -115,8 +115,10 @@ def table(path: Path) -> str:
 def _claims(rows: list[dict], members: dict[str, dict[str, dict]], test: str) -> list[str]:
     """The suite's claims on ``test``, as ``capsctl suite report`` judges them (Welch's 95%
     interval over seeds, from each member's mean, standard deviation and seeds)."""
-    suite = load_suite(rows[0]["suite"]) if rows else None
-    if suite is None or not suite.claims:
+    if not rows or rows[0]["suite"] not in {name for name, _ in list_suites()}:
+        return []  # a results file of a suite capsctl does not bundle: no claims to judge
+    suite = load_suite(rows[0]["suite"])
+    if not suite.claims:
         return []
     diffs = []
     for claim in suite.claims:
