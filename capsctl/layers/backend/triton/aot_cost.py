@@ -1,0 +1,140 @@
+"""A cost model of the Triton kernels on an H100 SXM, and the budgets a compiled variant must
+keep (docs/GPU-KERNELS.md).
+
+Modelled time of a launch = ``max(bytes / (0.8 * 3.35e12), FLOPs / rate) * 1e6 + 5`` µs
+(docs/GPU.md's public H100 figures: HBM3 3.35 TB/s at about 80%; a dense bf16 tensor-core rate
+of 989 TFLOP/s and tf32 of 494 TFLOP/s at 55%; 67 TFLOP/s in float32 without tensor cores; 5 µs
+a launch). The tensor-core rates count only where the variant's PTX has MMA instructions
+(``mma``, ``wgmma``, ``tcgen05.mma``): bf16 for 16-bit inputs, tf32 for float32; else 67.
+
+Bytes: every distinct tensor argument of the launch once (its elements times their size): what
+the kernel must read or write at least. Re-reads through L2 and the read-modify-write of
+atomic adds are not charged (the PTX's atomic counts and the budgets show those).
+
+FLOPs, with ``V = J B m a c`` vote entries (``J`` children, ``B`` parent sites, ``m`` parents,
+``a x c`` parent poses), ``X`` the child pose width (``x``) and ``L = J B m a X`` (self-routing's
+logit products): building the votes is ``2X`` per entry; a weighted sum or an agreement 2,
+a product 1. Per vote entry:
+
+- routed forward ``2X + 4`` (votes, agreement, weighted sum); weighted forward ``2X + 2``;
+- routed/weighted backward ``2X + 3`` (votes again, ``dR``, ``R G``), routed ``+ 2`` (``dA P``)
+  ``+ 2`` if ``dP``; ``+ 2X`` each for ``dX`` and ``dW``;
+- gated forward ``2X + 2``, plus ``2 L``; gated backward ``6X + 3`` plus ``4 L``;
+- EM moments forward ``2X + 6`` (votes, shift, ``k U``, ``k U^2``); quadratic form ``2X + 5``;
+- EM backward ``2X + 5`` (votes, shift, ``dV``), ``+ 4`` (moments) or ``+ 5`` (quadratic form)
+  for the coefficients' gradients, ``+ 2X`` each for ``dX`` and ``dW``.
+
+The softmax and other per-``(j, b, m)`` terms are ``1/(a c)`` of these and left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BUDGETS",
+    "H100",
+    "broken_budgets",
+    "flop_rate",
+    "launch_cost",
+    "modelled_us",
+]
+
+#: H100 SXM figures of docs/GPU.md (public spec sheet) and the shares of them planned on.
+H100 = {
+    "hbm_bytes_per_s": 3.35e12,
+    "hbm_efficiency": 0.8,
+    "bf16_flops": 989e12,
+    "tf32_flops": 494e12,
+    "tensor_core_efficiency": 0.55,
+    "fp32_flops": 67e12,
+    "launch_us": 5.0,
+}
+#: What every variant must keep on sm_90a (:func:`broken_budgets`).
+BUDGETS = {
+    "arch": "sm_90a",
+    "spill_bytes": 0,
+    "stack_bytes": 0,
+    "registers": 168,
+    "acq_rel_atomics": 0,
+    "compile_s": 30.0,
+    "mma": "present",
+}
+_ITEMSIZE = {"float64": 8, "float32": 4, "int32": 4, "int64": 8, "bfloat16": 2, "float16": 2}
+
+
+def _flags(launch: Any) -> dict[str, Any]:
+    return {**dict(launch.scalars), **dict(launch.constexprs)}
+
+
+def _per_vote(kernel: str, f: dict[str, Any]) -> tuple[int, int]:
+    """FLOPs per vote entry and per logit product ``L`` of a launch (module docstring)."""
+    x = int(f["XD"])
+    grads = 2 * x * (int(bool(f.get("NEED_X"))) + int(bool(f.get("NEED_W"))))
+    if kernel == "pass_forward":
+        return (2 * x + 4 if f["ROUTED"] else 2 * x + 2), 0
+    if kernel == "pass_backward":
+        routed = 2 + 2 * int(bool(f["NEED_P"])) if f["ROUTED"] else 0
+        return 2 * x + 3 + routed + grads, 0
+    if kernel == "gated_forward":
+        return 2 * x + 2, 2
+    if kernel == "gated_backward":
+        return 6 * x + 3, 4
+    if kernel == "em_forward":
+        return (2 * x + 5 if f["QUAD"] else 2 * x + 6), 0
+    if kernel == "em_backward":
+        coef = (5 if f["QUAD"] else 4) if f.get("NEED_K") else 0
+        return 2 * x + 5 + coef + grads, 0
+    raise ValueError(f"no cost model for kernel {kernel!r}")
+
+
+def launch_cost(launch: Any) -> dict[str, Any]:
+    """``{"bytes", "flops", "dtype"}`` of a :class:`~capsctl.layers.backend.triton.aot.Launch`
+    (``dtype``: the element type of its child poses ``x``, which picks the tensor-core rate)."""
+    f = _flags(launch)
+    j, b, m, a, c, x = (int(f[k]) for k in ("J", "B", "M", "A", "C", "XD"))
+    per_vote, per_logit = _per_vote(launch.kernel, f)
+    seen: dict[int, int] = {}
+    dtype = "float32"
+    for name, shape, dt, ident in launch.tensors:
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        seen[ident] = numel * _ITEMSIZE[dt]
+        dtype = dt if name == "x_ptr" else dtype
+    votes = j * b * m * a * c
+    flops = per_vote * votes + per_logit * j * b * m * a * x
+    return {"bytes": sum(seen.values()), "flops": flops, "dtype": dtype}
+
+
+def flop_rate(dtype: str, mma: bool) -> tuple[float, str]:
+    """FLOP/s and its name: a tensor-core rate (``bf16`` for 16-bit inputs, ``tf32`` for
+    float32) at 55% where the PTX has MMAs, else float32 without tensor cores."""
+    if not mma:
+        return H100["fp32_flops"], "fp32"
+    kind = "bf16" if dtype in ("bfloat16", "float16") else "tf32"
+    return H100[f"{kind}_flops"] * H100["tensor_core_efficiency"], kind
+
+
+def modelled_us(nbytes: float, flops: float, rate: float) -> float:
+    """``max(bytes / (0.8 * 3.35e12), flops / rate)`` in µs, plus 5 µs of launch (*estimated*:
+    a model, not a measurement)."""
+    bandwidth = H100["hbm_bytes_per_s"] * H100["hbm_efficiency"]
+    return max(nbytes / bandwidth, flops / rate) * 1e6 + H100["launch_us"]
+
+
+def broken_budgets(row: dict[str, Any]) -> list[str]:
+    """The :data:`BUDGETS` a compiled variant's row breaks (a variant that did not compile in
+    time breaks ``compile_s``; one that failed, ``compiles``; a figure that could not be read
+    counts as broken). The compile budget is checked on the compile's CPU seconds
+    (``compile_cpu_s``, the worker's and ptxas's) where given, which the load of a shared
+    machine does not inflate as it does the wall seconds (``compile_s``)."""
+    if row.get("error"):
+        return ["compiles"]
+    if row.get("timed_out"):
+        return ["compile_s"]
+    figures = {k: row.get(k) for k in ("spill_bytes", "stack_bytes", "registers")}
+    figures["acq_rel_atomics"] = row.get("acq_rel_atomics")
+    figures["compile_s"] = row.get("compile_cpu_s", row.get("compile_s"))
+    out = [k for k, v in figures.items() if v is None or v > BUDGETS[k]]  # None: unknown
+    return out + (["mma"] if not row.get("mma") else [])
