@@ -139,7 +139,7 @@ def inspect_cmd(
         Path | None,
         typer.Option(
             "--png",
-            help="Write heatmaps and overlays to DIR (needs capsctl[plot]).",
+            help=r"Write heatmaps and overlays to DIR (needs capsctl\[plot]).",
             rich_help_panel=OUTPUTS,
         ),
     ] = None,
