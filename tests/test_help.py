@@ -49,3 +49,23 @@ def test_brackets_in_help_are_shown_literally(path: tuple[str, ...], word: str) 
     shown = re.sub(r"[\s│]+", " ", res.output)
     literal = word.strip("().,;:")
     assert literal in shown, (path, literal)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ("train",),
+        ("eval",),
+        ("predict",),
+        ("compare",),
+        ("inspect-routing",),
+        ("robustness",),
+        ("suite", "run"),
+        ("suite", "report"),
+    ],
+    ids=" ".join,
+)
+def test_the_main_commands_show_an_example(path: tuple[str, ...]) -> None:
+    res = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 0
+    assert f"Example: capsctl {' '.join(path)} " in res.output

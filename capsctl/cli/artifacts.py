@@ -152,7 +152,10 @@ def inspect_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """What the routing does: entropy, confidence, changes across iterations, which parents and
-    which child capsules carry the prediction."""
+    which child capsules carry the prediction.
+
+    Example: capsctl inspect-routing quickstart.idpa --indices 0-7 --png routing/
+    """
     from capsctl.inspection import inspect_checkpoint
     from capsctl.views.artifacts import print_inspection
     from capsctl.views.common import print_json

@@ -33,7 +33,10 @@ def eval_cmd(
         ),
     ] = False,
 ) -> None:
-    """Evaluate a checkpoint: top-1/top-5, per-class accuracy, confusion matrix, loss, speed."""
+    """Evaluate a checkpoint: top-1/top-5, per-class accuracy, confusion matrix, loss, speed.
+
+    Example: capsctl eval cifar10-fast.idpa --json
+    """
     from capsctl.evaluation import evaluate_checkpoint
     from capsctl.views.common import print_json, print_plain
     from capsctl.views.evaluation import eval_csv, print_evaluation
@@ -93,7 +96,10 @@ def predict_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Classify image files: the top-k classes and their scores per image. Images are converted
-    and resized to the checkpoint's input the way its preprocessing says."""
+    and resized to the checkpoint's input the way its preprocessing says.
+
+    Example: capsctl predict quickstart.idpa shirt.png boot.png --top-k 3
+    """
     from capsctl.predict import predict_images
     from capsctl.views.common import print_json
     from capsctl.views.evaluation import print_predictions

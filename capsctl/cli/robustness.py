@@ -108,7 +108,10 @@ def robustness_cmd(
     csv_out: Annotated[bool, typer.Option("--csv", help="Print CSV rows.")] = False,
 ) -> None:
     """Robust accuracy under white-box FGSM/PGD (each model's own loss, or --loss cw), shifted
-    test sets and CIFAR-10-C corruptions; one table per checkpoint, side by side for several."""
+    test sets and CIFAR-10-C corruptions; one table per checkpoint, side by side for several.
+
+    Example: capsctl robustness cifar10-fast.idpa --attack fgsm,pgd --eps 2/255,8/255 --limit 1000
+    """
     from capsctl.robustness.run import run_robustness
     from capsctl.views.common import print_json, print_plain
     from capsctl.views.progress import simple_progress

@@ -69,7 +69,10 @@ def run_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Train every (member, seed) pair into OUT/MEMBER/seed-S; skips finished runs and resumes
-    interrupted ones, so the same command continues a suite."""
+    interrupted ones, so the same command continues a suite.
+
+    Example: capsctl suite run cifar10-fast --out runs/suite --seeds 0 --print-commands
+    """
     from capsctl.suites import load_suite, pair_commands, run_suite
     from capsctl.views.common import print_json, print_plain
     from capsctl.views.suite import SuiteProgress
@@ -187,7 +190,10 @@ def report_cmd(
     csv_out: Annotated[bool, typer.Option("--csv", help="Print the results CSV.")] = False,
 ) -> None:
     """Top-1 mean ± std over seeds per member, with parameters, GFLOPs, epochs, wall time and
-    training speed; several FOLDERS (run folders and ledgers) are reported as one suite."""
+    training speed; several FOLDERS (run folders and ledgers) are reported as one suite.
+
+    Example: capsctl suite report benchmarks/suites/multimnist-cpu --no-score
+    """
     from capsctl.suites import load_suite, report_suite, write_results
     from capsctl.suites.results_file import results_csv
     from capsctl.views.common import print_json, print_plain

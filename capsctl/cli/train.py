@@ -107,7 +107,10 @@ def train_cmd(
     ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Train a model from a preset; writes best/last.safetensors, metrics.jsonl and preset.yaml."""
+    """Train a model from a preset; writes best/last.safetensors, metrics.jsonl and preset.yaml.
+
+    Example: capsctl train --preset quickstart --router dynamic --epochs 2
+    """
     from capsctl.views.common import print_json
     from capsctl.views.progress import TrainProgress
     from capsctl.views.training import print_fit_result
