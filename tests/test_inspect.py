@@ -290,17 +290,27 @@ def test_write_pngs(model, tmp_path: Path) -> None:
     expected = [f"routing_layer{li}_iter{t}.png" for li in range(2) for t in (1, 2)]
     assert names == sorted(expected + ["image0_routing.png", "image1_routing.png"])
     assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == names  # no temp files
-    limits = set()
+    limits: dict[int, set] = {}
     for path in paths:
         with Image.open(path) as im:
             im.load()
             assert im.format == "PNG" and im.size[0] > 100 and im.size[1] > 100
             text = dict(im.text)
         if text["capsctl:kind"] == "coefficients":
-            limits.add((float(text["capsctl:vmin"]), float(text["capsctl:vmax"])))
+            layer = limits.setdefault(int(text["capsctl:layer"]), set())
+            layer.add((float(text["capsctl:vmin"]), float(text["capsctl:vmax"])))
         else:
             assert float(text["capsctl:vmin"]) == 0.0
-    assert limits == {(0.0, 1.0)}  # every heatmap, every iteration: the same fixed scale
+    # one colour range per layer, the same for its iterations: its data's, not [0, 1]
+    from capsctl.inspection.pictures import _mean_matrix
+
+    for li, ranges in limits.items():
+        (lo, hi), *rest = ranges
+        assert not rest
+        means = [_mean_matrix(report, li, ti) for ti in range(2)]
+        assert lo == pytest.approx(min(float(m.min()) for m in means), abs=1e-6)
+        assert hi == pytest.approx(max(float(m.max()) for m in means), abs=1e-6)
+        assert (lo, hi) != (0.0, 1.0)
     # float images in [0, 1] work too; each kind of picture can be switched off
     one = inspect_routing(model, x[:1], classes=CLASSES)
     floats = write_pngs(one, display(x[:1]).float() / 255, tmp_path / "floats", heatmaps=False)

@@ -28,6 +28,7 @@ from capsctl.inspection.pictures import (
     figure_class,
     heatmap_name,
     images_hwc,
+    layer_limits,
     make_folder,
     overlay_name,
     write_heatmap,
@@ -277,9 +278,12 @@ class _Run:
             self.dump.finish()
         if self.png is not None:
             for li, layer in enumerate(report.layers):
-                for ti in range(len(layer.iterations)):
-                    matrix = self.tally.mean_matrix(li, ti)  # [n, m]
-                    self._picture(write_heatmap(self.figure, report, matrix, li, ti, self.png))
+                matrices = [self.tally.mean_matrix(li, ti) for ti in range(len(layer.iterations))]
+                limits = layer_limits(matrices)  # [n, m] each; one colour range per layer
+                for ti, matrix in enumerate(matrices):
+                    self._picture(
+                        write_heatmap(self.figure, report, matrix, li, ti, self.png, limits)
+                    )
         return report
 
     @property

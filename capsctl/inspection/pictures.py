@@ -2,7 +2,9 @@
 
 * ``routing_layer{l}_iter{t}.png`` per layer and iteration: the batch-mean coefficients as a
   child type x parent type heatmap (conv layers and FC layers over a grid aggregate children
-  per type), colour scale fixed to [0, 1];
+  per type), one colour scale per layer: from the smallest to the largest mean coefficient of
+  that layer over its iterations (coefficients of 0.06-0.14 fill the scale; the iterations of
+  a layer stay comparable), with a labelled colour bar;
 * ``image{i}_routing.png`` per image:
   :func:`~capsctl.inspection.statistics.spatial_map` upsampled onto the image, with a colorbar
   (scale 0 .. the map's maximum).
@@ -29,7 +31,7 @@ from capsctl.events import EventFn, emit
 from capsctl.inspection.report import ImageRouting, RoutingReport
 from capsctl.inspection.statistics import spatial_map
 
-__all__ = ["matrix_sum", "write_heatmap", "write_overlay", "write_pngs"]
+__all__ = ["layer_limits", "matrix_sum", "write_heatmap", "write_overlay", "write_pngs"]
 
 PLOT_MISSING = "routing pictures need matplotlib: pip install 'capsctl[plot]'"
 
@@ -97,16 +99,34 @@ def overlay_name(i: int) -> str:
     return f"image{i}_routing.png"
 
 
+def layer_limits(matrices: list[Tensor]) -> tuple[float, float]:
+    """The colour range of a layer's heatmaps: its smallest and largest mean coefficient over
+    ``matrices`` (its iterations), widened a little where they are equal (uniform routing)."""
+    lo = min(float(m.min()) for m in matrices)
+    hi = max(float(m.max()) for m in matrices)
+    if hi - lo < 1e-9:
+        pad = max(1e-3 * abs(hi), 1e-6)
+        lo, hi = lo - pad, hi + pad
+    return lo, hi
+
+
 def write_heatmap(
-    figure: Any, report: RoutingReport, matrix: Tensor, li: int, ti: int, out: Path
+    figure: Any,
+    report: RoutingReport,
+    matrix: Tensor,
+    li: int,
+    ti: int,
+    out: Path,
+    limits: tuple[float, float],
 ) -> Path:
     """``routing_layer{li}_iter{ti + 1}.png``: the mean coefficient ``matrix [n, m]`` of layer
-    ``li`` (``report`` gives its kind, the classes and T)."""
+    ``li`` (``report`` gives its kind, the classes and T), coloured over ``limits`` (the
+    layer's :func:`layer_limits`)."""
     matrix = matrix.float().numpy()
     n, m = matrix.shape
-    fig = figure(figsize=(max(4.0, 1.0 + 0.3 * m), max(3.0, 1.0 + 0.25 * n)))
+    fig = figure(figsize=(max(5.0, 1.0 + 0.3 * m), max(3.0, 1.0 + 0.25 * n)))  # title fits
     ax = fig.add_subplot()
-    im = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+    im = ax.imshow(matrix, vmin=limits[0], vmax=limits[1], cmap="viridis", aspect="auto")
     ax.set_ylabel("child capsule type")
     if li == len(report.kinds) - 1:
         ax.set_xlabel("class")
@@ -115,7 +135,7 @@ def write_heatmap(
         ax.set_xlabel("parent capsule type")
     t = ti + 1
     ax.set_title(f"{_layer_name(report, li)}, iteration {t}/{report.iterations}")
-    fig.colorbar(im, ax=ax, label="mean routing coefficient")
+    fig.colorbar(im, ax=ax, label="mean routing coefficient (this layer's range)")
     fig.tight_layout()
     vmin, vmax = im.get_clim()
     path = out / heatmap_name(li, t)
@@ -209,8 +229,10 @@ def write_pngs(
         emit(on_event, "progress", task="pictures", step=len(written), steps=steps)
 
     for li in range(len(report.coefficients) if heatmaps else 0):
-        for ti in range(len(report.coefficients[li])):
-            done(write_heatmap(figure, report, _mean_matrix(report, li, ti), li, ti, out))
+        matrices = [_mean_matrix(report, li, ti) for ti in range(len(report.coefficients[li]))]
+        limits = layer_limits(matrices)
+        for ti, matrix in enumerate(matrices):
+            done(write_heatmap(figure, report, matrix, li, ti, out, limits))
     for i in range(len(report.images) if overlays else 0):
         sm = spatial_map(report, i)  # [h, w]
         done(write_overlay(figure, report.images[i], sm, pictures[i], out, i))
