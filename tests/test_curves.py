@@ -497,3 +497,33 @@ def test_plot_cli_overwrite_flag(tmp_path: Path, capsys: pytest.CaptureFixture[s
     code, _, err = run_cli(capsys, ["plot", str(run_dir), "--out", str(out), "--overwrite"])
     assert code == 0, err
     assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_each_curve_of_a_panel_has_its_own_look_for_one_run() -> None:
+    """The gradient-norm panel's mean and max (and loss's train and val) differ in colour and
+    in line style, for one run as for several."""
+    from capsctl.curves.plot import PANELS, _draw_curves
+
+    class Axes:
+        def __init__(self) -> None:
+            self.lines: list[tuple[str, str]] = []
+
+        def plot(self, xs, ys, **kw) -> None:  # type: ignore[no-untyped-def]
+            self.lines.append((kw["color"], kw["linestyle"]))
+
+    history = [
+        {"epoch": e, "grad_norm_mean": 1.0, "grad_norm_max": 3.0, "train_loss": 1.0, "val_loss": 1}
+        for e in (1, 2)
+    ]
+    for keys, panel in (
+        (["grad_norm_mean", "grad_norm_max"], "grad_norm"),
+        (["train_loss", "val_loss"], "loss"),
+    ):
+        for runs in ([history], [history, history]):
+            ax = Axes()
+            _draw_curves(ax, runs, keys, PANELS[panel], None, {})
+            per_run = [ax.lines[i : i + 2] for i in range(0, len(ax.lines), 2)]
+            for a, b in per_run:
+                assert a[1] != b[1], (panel, a, b)  # a style per curve
+            if len(runs) == 1:
+                assert per_run[0][0][0] != per_run[0][1][0], panel  # and a colour per curve

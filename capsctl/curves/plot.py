@@ -268,8 +268,9 @@ def _draw_curves(
 ) -> int:
     """Plot the curves ``keys`` of every run into ``ax``; the number of lines drawn.
 
-    One run: a colour per curve, solid lines. Several: a colour per run, a style per curve
-    (recorded in ``styles_used`` when the panel holds several curves).
+    One run: a colour per curve and each curve's own line style (a panel's curves never look
+    alike). Several: a colour per run, a style per curve (recorded in ``styles_used`` when the
+    panel holds several curves).
     """
     several = len(histories) > 1
     scale = 100.0 if panel.percent else 1.0
@@ -280,12 +281,13 @@ def _draw_curves(
             xs, ys = curve_points(history, key)
             if not xs:
                 continue
-            color = f"C{run_index % 10}" if several else _SERIES_COLORS.get(series.label, "C0")
+            own = _SERIES_COLORS.get(series.label, f"C{list(keys).index(key) % 10}")
+            color = f"C{run_index % 10}" if several else own
             ax.plot(
                 xs,
                 [scale * y for y in ys],
                 color=color,
-                linestyle=series.style if several else "-",
+                linestyle=series.style,
                 marker=marker,
                 markersize=3,
                 linewidth=1.5,
