@@ -114,3 +114,28 @@ def test_from_pretrained_takes_a_shipped_name() -> None:
 
     model = capsctl.from_pretrained("quickstart.idpa")
     assert sum(p.numel() for p in model.parameters()) == 163_185
+
+
+def test_the_readmes_lines_on_the_shipped_samples_run_from_the_repository_root(
+    tmp_path: Path,
+) -> None:
+    """The README's `Trying the shipped weights` block, run as written from the repository root
+    without CAPSCTL_DATA (its --png folder redirected into tmp_path: tests never write into the
+    working folder)."""
+    import shlex
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Trying the shipped weights", 1)[1].split("```bash", 1)[1]
+    lines = [x.split("#")[0].strip() for x in block.split("```", 1)[0].splitlines()]
+    lines = [x for x in lines if x.startswith("capsctl ")]
+    assert len(lines) >= 3 and any(" predict " in f" {x} " for x in lines)
+    env = {k: v for k, v in os.environ.items() if k != "CAPSCTL_DATA"}
+    for line in lines:
+        words = shlex.split(line.replace("--png routing/", f"--png {tmp_path / 'routing'}"))
+        globbed = [sorted(map(str, ROOT.glob(w))) if "*" in w else [w] for w in words]
+        expanded = [w for group in globbed for w in group]
+        cmd = [sys.executable, "-m", "capsctl", *expanded[1:]]
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, (line, res.stderr[-2000:])
