@@ -169,6 +169,8 @@ def test_a_resumed_runs_seconds_and_speed_add_up_its_pieces(tmp_path: Path) -> N
     second = res.history[1]
     assert second["epoch"] == 2 and second["epoch_seconds"] >= 0.9
     assert second["images_per_s"] <= second["images"] / 0.9
+    # the machine's load as each epoch ends: above the CPUs, the run shared the machine
+    assert second["cpus"] >= 1 and second["load_1m"] >= 0.0
     assert json.loads((run / "results.json").read_text())["seconds"] >= 0.9
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import shlex
 import time
 from pathlib import Path
@@ -161,6 +162,7 @@ class Trainer(RunSetUp, RunEnd):
             "train_accuracy": float(correct) / max(seen, 1),
             "lr": self.optimizer.param_groups[0]["lr"],
             "epoch_seconds": stats.seconds(piece),
+            **machine_load(),
             "images": int(seen),
             # this process's rate, scaled to the images of every process
             "images_per_s": stats.images_per_s(piece) * seen / max(stats.seen, 1),
@@ -362,3 +364,14 @@ class Trainer(RunSetUp, RunEnd):
             self.replace.commit()
             self.replace = None
         emit(self.on_event, "checkpoint", path=str(self.out / files.LAST), epoch=epoch)
+
+
+def machine_load() -> dict[str, float]:
+    """The machine's load average over the last minute and its CPU count, as the epoch ends
+    (``load_1m``, ``cpus``): a load above the CPUs means the run shared the machine, so its
+    seconds are an upper bound. Empty where the system has no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return {}
+    return {"load_1m": round(load, 2), "cpus": os.cpu_count() or 1}
