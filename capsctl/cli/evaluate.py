@@ -98,7 +98,7 @@ def predict_cmd(
     """Classify image files: the top-k classes and their scores per image. Images are converted
     and resized to the checkpoint's input the way its preprocessing says.
 
-    Example: capsctl predict quickstart.idpa shirt.png boot.png --top-k 3
+    Example: capsctl predict quickstart.idpa capsctl/samples/fashion-mnist/*.png --top-k 3
     """
     from capsctl.predict import predict_images
     from capsctl.views.common import print_json
