@@ -69,3 +69,25 @@ def test_the_main_commands_show_an_example(path: tuple[str, ...]) -> None:
     res = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert res.exit_code == 0
     assert f"Example: capsctl {' '.join(path)} " in res.output
+
+
+def _device_options() -> list[tuple[tuple[str, ...], object, str]]:
+    root = typer.main.get_command(app)
+    out = []
+    for path in _commands(root):
+        cmd: click.Command = root
+        for name in path:
+            cmd = cmd.commands[name]  # type: ignore[attr-defined]
+        for param in cmd.params:
+            if param.name == "device":
+                out.append((path, param.default, getattr(param, "help", "") or ""))
+    return out
+
+
+def test_every_device_option_defaults_to_auto_or_says_why_not() -> None:
+    """``--device`` is ``auto`` by default, or its help says what the default is and why."""
+    found = _device_options()
+    assert len(found) >= 5
+    for path, default, text in found:
+        if default != "auto":
+            assert "by default" in text, (path, default, text)

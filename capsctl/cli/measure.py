@@ -30,7 +30,13 @@ def bench_cmd(
     ] = 1,
     train: Annotated[bool, typer.Option("--train", help="Only the training step.")] = False,
     infer: Annotated[bool, typer.Option("--infer", help="Only inference.")] = False,
-    device: Annotated[str, typer.Option(help="cpu, cuda, mps or auto.")] = "cpu",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="cpu, cuda, mps or auto; cpu by default, unlike eval and predict (auto), so "
+            "that timings taken on different machines measure the same device."
+        ),
+    ] = "cpu",
     iterations: Annotated[
         int | None,
         typer.Option(
@@ -132,7 +138,13 @@ def compare_cmd(
     iters: Annotated[
         int, typer.Option(help="Timed steps for --speed.", parser=Int("--iters", 1, MAX_STEPS))
     ] = 3,
-    device: Annotated[str, typer.Option(help="Device for --speed and --eval.")] = "cpu",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="Device for --speed and --eval: cpu, cuda, mps or auto; cpu by default, unlike "
+            "eval and predict (auto), so that timings taken on different machines compare."
+        ),
+    ] = "cpu",
     eval_: Annotated[
         bool, typer.Option("--eval", help="Recompute checkpoints' accuracy on the test split.")
     ] = False,

@@ -63,7 +63,13 @@ def train_cmd(
             "--set model.router=NAME.",
         ),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda or mps.")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="auto, cpu, cuda or mps; by default the preset's train.device (auto: a GPU "
+            "where there is one; the quickstart's is cpu)."
+        ),
+    ] = None,
     data_dir: Annotated[
         str | None,
         typer.Option(
