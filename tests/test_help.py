@@ -21,17 +21,24 @@ def _commands(group: click.Command, path: tuple[str, ...] = ()) -> list[tuple[st
     return [path]
 
 
-def _bracketed_helps() -> list[tuple[tuple[str, ...], str]]:
+def _params() -> list[tuple[tuple[str, ...], click.Parameter]]:
+    """Every parameter of every command, with the command's path."""
     root = typer.main.get_command(app)
     out = []
     for path in _commands(root):
         cmd: click.Command = root
         for name in path:
             cmd = cmd.commands[name]  # type: ignore[attr-defined]
-        for param in cmd.params:
-            text = getattr(param, "help", None) or ""
-            for word in re.findall(r"\S*\[[^\]\s]+\]\S*", text):
-                out.append((path, word.replace("\\[", "[")))
+        out += [(path, param) for param in cmd.params]
+    return out
+
+
+def _bracketed_helps() -> list[tuple[tuple[str, ...], str]]:
+    out = []
+    for path, param in _params():
+        text = getattr(param, "help", None) or ""
+        for word in re.findall(r"\S*\[[^\]\s]+\]\S*", text):
+            out.append((path, word.replace("\\[", "[")))
     return out
 
 
@@ -72,16 +79,11 @@ def test_the_main_commands_show_an_example(path: tuple[str, ...]) -> None:
 
 
 def _device_options() -> list[tuple[tuple[str, ...], object, str]]:
-    root = typer.main.get_command(app)
-    out = []
-    for path in _commands(root):
-        cmd: click.Command = root
-        for name in path:
-            cmd = cmd.commands[name]  # type: ignore[attr-defined]
-        for param in cmd.params:
-            if param.name == "device":
-                out.append((path, param.default, getattr(param, "help", "") or ""))
-    return out
+    return [
+        (path, p.default, getattr(p, "help", "") or "")
+        for path, p in _params()
+        if p.name == "device"
+    ]
 
 
 def test_every_device_option_defaults_to_auto_or_says_why_not() -> None:
