@@ -1,10 +1,11 @@
-"""The README's comparison tables, generated from the results files in ``capsctl/results/``.
+"""The comparison tables of README.md and docs/, generated from capsctl/results/*.csv.
 
-``python scripts/results_table.py`` prints every suite's table; ``--write README.md`` replaces
-the text between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in the README with the
-table of ``capsctl/results/NAME.csv`` (every other line is left as it is); ``--check
-README.md`` exits 1 when the README's tables differ from the files (CI runs it through the
-tests).
+``python scripts/results_table.py`` prints every suite's table; ``--write`` replaces the text
+between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` with the table of
+``capsctl/results/NAME.csv`` (every other line is left as it is) in README.md and every
+``docs/*.md``, or in the files named after it; ``--check`` exits 1 when a file's tables differ
+from the results files (CI runs it through the tests). The README holds the headline table,
+docs/RESULTS.md every comparison table, docs/ROBUSTNESS.md the expanded-MNIST one.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ def render(text: str) -> str:
     return _BLOCK.sub(one, text)
 
 
+def documents(root: Path) -> list[Path]:
+    """The files that hold generated blocks: README.md and every page of docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
 def readme_main(
     argv: list[str] | None,
     *,
@@ -150,17 +156,25 @@ def readme_main(
     script: str,
     render: Callable[[str], str],
     print_all: Callable[[], None],
+    root: Path,
     pictures: Callable[[Path, bool], list[Path]] | None = None,
 ) -> int:
-    """The command line of a script (``scripts/<script>``) that generates the README's ``what``
-    blocks from ``source``: ``--write README`` replaces them (atomically, only when they
-    change), ``--check README`` exits 1 with one line on stderr when they differ, and no option
-    prints every table (``print_all``). With ``pictures``, ``--png DIR [--overwrite]`` draws
-    them into DIR instead (``pictures(DIR, overwrite)`` returns the files written)."""
+    """The command line of a script (``scripts/<script>``) that generates the ``what`` blocks
+    of the documents from ``source``: ``--write [FILE...]`` replaces them (atomically, only
+    when they change), ``--check [FILE...]`` exits 1 with one line on stderr per file whose
+    blocks differ, and no option prints every table (``print_all``). Without files, both take
+    the documents under ``root`` (:func:`documents`). With ``pictures``, ``--png DIR
+    [--overwrite]`` draws them into DIR instead (``pictures(DIR, overwrite)`` returns the files
+    written)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", type=Path, help=f"replace the README's {what} blocks")
-    group.add_argument("--check", type=Path, help="exit 1 when the README's blocks are stale")
+    where = "default: README.md and docs/*.md"
+    group.add_argument(
+        "--write", type=Path, nargs="*", metavar="FILE", help=f"replace the {what} blocks ({where})"
+    )
+    group.add_argument(
+        "--check", type=Path, nargs="*", metavar="FILE", help=f"exit 1 when stale ({where})"
+    )
     if pictures is not None:
         group.add_argument("--png", type=Path, help="draw the pictures into this folder")
         ap.add_argument("--overwrite", action="store_true", help="replace pictures that exist")
@@ -169,23 +183,26 @@ def readme_main(
         for written in pictures(args.png, args.overwrite):
             print(written)
         return 0
-    path = args.write or args.check
-    if path is None:
+    paths = args.write if args.write is not None else args.check
+    if paths is None:
         print_all()
         return 0
-    text = path.read_text(encoding="utf-8")
-    new = render(text)
-    if new == text:
-        return 0
-    if args.check:
-        print(
-            f"{path}: {what} tables differ from {source}; run python scripts/{script} --write "
-            f"{path}",
-            file=sys.stderr,
-        )
-        return 1
-    write_text_atomic(path, new)
-    return 0
+    stale = 0
+    for path in paths or documents(root):
+        text = path.read_text(encoding="utf-8")
+        new = render(text)
+        if new == text:
+            continue
+        if args.check is not None:
+            print(
+                f"{path}: {what} tables differ from {source}; run python scripts/{script} "
+                f"--write {path}",
+                file=sys.stderr,
+            )
+            stale = 1
+            continue
+        write_text_atomic(path, new)
+    return stale
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         script="results_table.py",
         render=render,
         print_all=print_all,
+        root=ROOT,
     )
 
 

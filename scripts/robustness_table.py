@@ -1,5 +1,4 @@
-"""The README's robustness tables, generated from the measurements kept in
-``benchmarks/robustness/``.
+"""The robustness tables of docs/ROBUSTNESS.md, generated from benchmarks/robustness/.
 
 Each measured checkpoint is a folder ``benchmarks/robustness/SUITE/MEMBER/seed-N/`` holding the
 ``--json`` output of ``capsctl robustness`` for each kind of measurement it had:
@@ -13,13 +12,13 @@ Each measured checkpoint is a folder ``benchmarks/robustness/SUITE/MEMBER/seed-N
 and where it was measured: the ``provenance`` each JSON carries, or for measurements older than
 that a ``provenance.json`` (``commit``, ``cpu``, ``cores``, ``torch``; ``commits``, by kind,
 where the measurements ran at different commits). Only the tables of what was measured appear.
-``python scripts/robustness_table.py`` prints every suite's tables; ``--write README.md``
-replaces the text between ``<!-- robustness:SUITE -->`` and ``<!-- /robustness:SUITE -->``;
-``--check README.md`` exits 1 when those blocks differ from the measurements (the tests run
-it); ``--png DIR`` draws each suite's pictures into ``DIR/SUITE/`` (accuracy against eps under
-untargeted PGD with each model's own loss, against each shift's magnitude). Members are listed
-in the suite's order (``benchmarks/suites/SUITE/suite.yaml`` or the shipped preset), seeds in
-order.
+``python scripts/robustness_table.py`` prints every suite's tables; ``--write`` replaces the
+text between ``<!-- robustness:SUITE -->`` and ``<!-- /robustness:SUITE -->`` in README.md and
+every ``docs/*.md`` (or in the files named after it); ``--check`` exits 1 when those blocks
+differ from the measurements (the tests run it); ``--png DIR`` draws each suite's pictures into
+``DIR/SUITE/`` (accuracy against eps under untargeted PGD with each model's own loss, against
+each shift's magnitude). Members are listed in the suite's order
+(``benchmarks/suites/SUITE/suite.yaml`` or the shipped preset), seeds in order.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ def _member_order(suite: str) -> list[str]:
 
 def _known_files(folder: Path) -> None:
     """Refuse a checkpoint folder holding a file that is not a kind of measurement (a misnamed
-    one would vanish from the README) or holding no measurement at all."""
+    one would vanish from the tables) or holding no measurement at all."""
     known = {f"{kind}.json" for kind in KINDS}
     for path in sorted(folder.iterdir()):
         if path.name not in known | {"provenance.json"}:
@@ -337,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         script="robustness_table.py",
         render=render,
         print_all=print_all,
+        root=ROOT,
         pictures=pictures,
     )
 

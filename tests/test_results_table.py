@@ -1,4 +1,5 @@
-"""scripts/results_table.py: the README's comparison tables come from capsctl/results/."""
+"""scripts/results_table.py: the comparison tables of README.md and docs/ come from
+capsctl/results/."""
 
 from __future__ import annotations
 
@@ -67,8 +68,45 @@ def test_render_replaces_only_the_results_blocks(
     assert script.render(new) == new
 
 
-def test_the_readme_tables_are_the_results_files() -> None:
-    assert _script().main(["--check", str(ROOT / "README.md")]) == 0
+def test_the_tables_of_the_readme_and_docs_are_the_results_files() -> None:
+    assert _script().main(["--check"]) == 0
+    assert _script().main(["--check", str(ROOT / "README.md"), str(ROOT / "docs/RESULTS.md")]) == 0
+
+
+def test_write_and_check_take_the_readme_and_every_page_of_docs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without files, --write and --check take README.md and docs/*.md (the tables moved into
+    docs/); a file named on the command line is the only one touched."""
+    script = _script()
+    runs = _suite_folder(tmp_path / "runs")
+    results = tmp_path / "results"
+    results.mkdir()
+    write_results(
+        report_suite(load_suite(runs / "suite.yaml"), runs, score=False), results / "s-cpu.csv"
+    )
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    stale = "top\n<!-- results:s-cpu -->\nstale\n<!-- /results:s-cpu -->\n"
+    pages = [root / "README.md", root / "docs/RESULTS.md", root / "other.md"]
+    for page in pages:
+        page.write_text(stale)
+    (root / "docs/PLAIN.md").write_text("no block\n")
+    monkeypatch.setattr(script, "RESULTS", results)
+    monkeypatch.setattr(script, "ROOT", root)
+    assert script.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "README.md: results tables differ" in err and "RESULTS.md: results tables" in err
+    assert "other.md" not in err
+    assert all(page.read_text() == stale for page in pages)  # a check never writes
+    assert script.main(["--write"]) == 0
+    readme, docs, other = (page.read_text() for page in pages)
+    assert "| caps |" in readme and "stale" not in readme and docs == readme
+    assert other == stale and (root / "docs/PLAIN.md").read_text() == "no block\n"
+    assert script.main(["--check"]) == 0
+    assert script.main(["--check", str(root / "other.md")]) == 1
+    assert script.main(["--write", str(root / "other.md")]) == 0
+    assert (root / "other.md").read_text() == readme
 
 
 def test_the_header_names_the_metric_of_multi_label_suites(

@@ -1,4 +1,4 @@
-"""scripts/robustness_table.py: the README's robustness tables come from the measurements kept in
+"""scripts/robustness_table.py: the robustness tables of docs/ come from the measurements kept in
 benchmarks/robustness/ (the ``--json`` output of ``capsctl robustness``)."""
 
 from __future__ import annotations
@@ -95,17 +95,22 @@ def test_render_replaces_only_the_robustness_blocks(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stale", [False, True])
-def test_check_says_whether_the_readme_is_the_measurements(
+def test_check_says_whether_the_docs_are_the_measurements(
     stale: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    readme = ROOT / "README.md"
+    """Without files, --check reads README.md and every page of docs/, where the robustness
+    tables live (docs/ROBUSTNESS.md)."""
+    page = ROOT / "docs" / "ROBUSTNESS.md"
     if not stale:
-        assert _script().main(["--check", str(readme)]) == 0
+        assert _script().main(["--check"]) == 0
+        assert _script().main(["--check", str(page)]) == 0
         return
     script = _script()
     script.MEASURED = Path("/nonexistent")  # nothing measured: every block would change
-    assert script.main(["--check", str(readme)]) == 1
-    assert "run python scripts/robustness_table.py --write" in capsys.readouterr().err
+    assert script.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"{page}: robustness tables differ" in err
+    assert "run python scripts/robustness_table.py --write" in err
 
 
 def test_write_replaces_stale_blocks_and_then_check_passes(
