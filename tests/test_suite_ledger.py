@@ -270,8 +270,8 @@ def test_the_multimnist_ledger_counts_each_training_image_once() -> None:
 
 def test_every_ledger_run_without_curves_is_disclosed_as_restored() -> None:
     """A ledger run without metrics.jsonl was restored from a results file: its provenance says
-    from where, and the README says which seeds of the suite lack their curves."""
-    readme = (ROOT / "README.md").read_text()
+    from where, and docs/RESULTS.md says which seeds of the suite lack their curves."""
+    readme = (ROOT / "docs" / "RESULTS.md").read_text()
     restored = []
     for run in sorted((ROOT / "benchmarks" / "suites").glob("*/*/seed-*")):
         if (run / "metrics.jsonl").exists():

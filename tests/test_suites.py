@@ -186,8 +186,8 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     header = path.read_text().splitlines()[0]
     assert header == (
         "suite,member,model,test_set,test_images,metric,top1_mean,top1_std,top1_se,test_se,seeds,"
-        "seeds_run,epochs,wall_s,train_images_per_s,params,gflops,budget,cpu,cores,device,torch,"
-        "commit,note"
+        "seeds_run,epochs,wall_s,train_images_per_s,params,gflops,budget,lr,lr_chosen_on,cpu,cores,"
+        "device,torch,commit,note"
     )
     assert tuple(header.split(",")) == RESULT_COLUMNS
     rows = read_results(path)

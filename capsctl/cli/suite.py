@@ -87,8 +87,10 @@ def run_cmd(
             print_plain("".join(line + "\n" for line in lines))
         return
     from capsctl.suites.runner import check_suite, plan_pairs
+    from capsctl.suites.tuning import chosen_lrs
 
-    check_suite(spec, plan_pairs(spec, out, only or [], chosen))  # before OUT is written to
+    lrs = chosen_lrs(spec, [out])
+    check_suite(spec, plan_pairs(spec, out, only or [], chosen, lrs))  # before OUT is written
     _keep_suite_copy(spec, out)
     with SuiteProgress(quiet=json_out) as progress:
         result = run_suite(
@@ -101,7 +103,7 @@ def run_cmd(
 
     from capsctl.views.common import note
 
-    waiting = [p for p in result.pairs if p["status"] in ("waiting", "busy")]
+    waiting = [p for p in result.pairs if p["status"] in ("waiting", "busy", "untuned")]
     note(
         f"suite {spec.name}: {len(result.pairs) - len(waiting)} of {len(result.pairs)} pairs "
         f"finished; capsctl suite report {quote(str(out))}"
@@ -127,6 +129,55 @@ def _keep_suite_copy(spec: object, out: Path) -> None:
             )
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, to_yaml(doc))
+
+
+@suite_app.command("tune")
+def tune_cmd(
+    suite: Annotated[str, typer.Argument(help="A bundled suite (capsctl suite list) or a file.")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Folder of the suite's runs (tuning runs go to OUT/tune).",
+            rich_help_panel=OUTPUTS,
+        ),
+    ],
+    only: Annotated[
+        list[str] | None,
+        typer.Option("--only", help="Only this member (repeatable); tunes it even if chosen."),
+    ] = None,
+    data_dir: Annotated[
+        str | None, typer.Option("--data-dir", help="Where datasets live (default $CAPSCTL_DATA).")
+    ] = None,
+    status: Annotated[
+        bool, typer.Option("--status", help="Show where tuning stands and train nothing.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Choose each member's learning rate on a validation split (the suite's tune block): one
+    run per grid point into OUT/tune/MEMBER/lr-LR, the grid extended past an edge; the test
+    set is never touched. Prints the tuned: line to record in the suite file.
+
+    Example: capsctl suite tune cifar10-fast --out runs/suite --only idpa
+    """
+    from capsctl.suites import load_suite
+    from capsctl.suites.tuning import TuneResult, member_tuning, tune_suite, tuned_members
+    from capsctl.views.common import print_json
+    from capsctl.views.suite import SuiteProgress, print_tuning
+
+    spec = load_suite(suite)
+    members = tuned_members(spec, only or [])
+    if status:
+        result = TuneResult(spec.name, [member_tuning(spec, m, [out]) for m in members])
+    else:
+        _keep_suite_copy(spec, out)
+        with SuiteProgress(quiet=json_out) as progress:
+            result = tune_suite(spec, out, only=only or [], data_dir=data_dir, on_event=progress)
+    if json_out:
+        print_json(result.to_dict())
+    else:
+        print_tuning(result.to_dict())
 
 
 @suite_app.command("report")

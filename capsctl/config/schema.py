@@ -158,7 +158,9 @@ class TrainConfig:
     ``time_limit`` (seconds) is the whole run's wall-time budget: the schedule advances by
     steps or by the clock, whichever is further, and training stops mid-epoch in time for the
     final validation and test (capsctl/training/budget.py);
-    ``steps_per_epoch`` caps the batches per epoch (smoke tests, quick runs).
+    ``steps_per_epoch`` caps the batches per epoch (smoke tests, quick runs);
+    ``final_test: false`` ends the run without touching the test set (a learning-rate tuning
+    run, judged on its validation split: capsctl/suites/tuning.py).
     """
 
     # Keys that older versions wrote and that are ignored when read: ``workers`` never had an
@@ -190,6 +192,7 @@ class TrainConfig:
     sync_bn: bool = False
     time_limit: float | None = None
     steps_per_epoch: int | None = None
+    final_test: bool = True
 
     def validate(self, path: str) -> None:
         """Check value ranges; ``path`` is this object's dotted path."""

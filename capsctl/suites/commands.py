@@ -11,10 +11,19 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from capsctl.errors import CapsctlError, UsageError
-from capsctl.suites.runner import check_suite, matched_budget, plan_pairs
-from capsctl.suites.spec import CONTROL_CHARS, Suite
+from capsctl.suites.runner import (
+    Pair,
+    awaiting_tuning,
+    check_suite,
+    matched_budget,
+    pair_overrides,
+    plan_pairs,
+    tune_relpath,
+)
+from capsctl.suites.spec import CONTROL_CHARS, Member, Suite
 
 __all__ = ["pair_commands"]
 
@@ -32,12 +41,20 @@ def pair_commands(
             f"--out {str(out)!r:.60}: holds a line break or control character; printed commands "
             "are one line each, choose another --out"
         )
-    pairs = plan_pairs(suite, out, only, seeds)
+    from capsctl.suites.tuning import chosen_lrs, member_tuning
+
+    pairs = plan_pairs(suite, out, only, seeds, chosen_lrs(suite, [out]))
     check_suite(suite, pairs)
     lines = []
     limit = matched_budget(suite, out)
+    tuning_shown: set[str] = set()
     for pair in pairs:
-        overrides = suite.overrides(pair.member, pair.seed)
+        if awaiting_tuning(suite, pair):
+            if pair.member.name not in tuning_shown:
+                tuning_shown.add(pair.member.name)
+                lines += _tuning_lines(suite, pair.member, out, member_tuning)
+            continue
+        overrides = pair_overrides(suite, pair)
         if pair.member.budget == "matched":
             if limit is None:
                 lines.append(
@@ -53,6 +70,26 @@ def pair_commands(
         for o in overrides:
             words += ["--set", o]
         lines.append(_command([*words, "--out", str(pair.folder)]))
+    return lines
+
+
+def _tuning_lines(suite: Suite, member: Member, out: Path, member_tuning: Any) -> list[str]:
+    """The commands of ``member``'s tuning runs still to train, and a comment saying that its
+    seeds follow once its learning rate is chosen (the grid may grow past an edge first)."""
+    state = member_tuning(suite, member, [out])
+    lines = []
+    for lr in state.todo:
+        pair = Pair(member, suite.tune.seed if suite.tune else 0, out, lr, tuning=True)
+        words = ["capsctl", "train", "--preset", suite.recipe]
+        for o in pair_overrides(suite, pair):
+            words += ["--set", o]
+        lines.append(_command([*words, "--out", str(out / tune_relpath(member.name, lr))]))
+    lines.append(
+        _comment(
+            f"{member.name}: its seeds train at the learning rate chosen on validation; once "
+            "these tuning runs have finished, print the commands again (the grid may grow)"
+        )
+    )
     return lines
 
 

@@ -2,8 +2,9 @@
 suite trained in pieces (on machines whose run folders do not survive, or into several output
 folders) is reported as one.
 
-A ledger has a suite run folder's layout without the checkpoints: ``LEDGER/suite.yaml`` and
-``LEDGER/<member>/seed-<seed>/`` holding those of :data:`RECORD_FILES` the run has.
+A ledger has a suite run folder's layout without the checkpoints: ``LEDGER/suite.yaml``,
+``LEDGER/<member>/seed-<seed>/`` and the tuning runs' ``LEDGER/tune/<member>/lr-<lr>/``
+(validation scores only), each holding those of :data:`RECORD_FILES` the run has.
 :func:`archive_suite` (``capsctl suite archive DIR --to LEDGER``) adds the finished, scored
 pairs of run folders. ``capsctl suite report`` reads ledgers and run folders alike, several at
 once: a pair finished in more than one of them counts once, and is an error when its results
@@ -29,6 +30,7 @@ from capsctl.errors import CapsctlError
 from capsctl.suites.run_files import TESTS_FILE, check_run_files, is_finished, read_json
 from capsctl.suites.runner import Pair, check_folder_is_pair, missing_tests, plan_pairs
 from capsctl.suites.spec import Member, Suite
+from capsctl.suites.tuning import chosen_lrs, tune_finished, tune_pairs
 
 __all__ = [
     "RECORD_FILES",
@@ -168,7 +170,10 @@ def _ready(suite: Suite, pair: Pair) -> dict[str, Any] | None:
     if not pair.folder.is_dir():
         return None
     check_run_files(pair.folder)  # a damaged file is refused, never archived or left out
-    if not is_finished(read_json(pair.folder / "results.json")):
+    results = read_json(pair.folder / "results.json")
+    if pair.tuning:  # judged on validation, never tested
+        return {} if tune_finished(results) else {"status": "unfinished"}
+    if not is_finished(results):
         return {"status": "unfinished"}
     lacking = missing_tests(suite, pair.folder)
     return {"status": "unscored", "missing": lacking} if lacking else {}
@@ -196,8 +201,12 @@ def archive_suite(
     plan: dict[Path, tuple[Pair, dict[str, bytes]]] = {}
     pairs = []
     for source in sources:
-        for pair in plan_pairs(suite, Path(source)):
+        root = Path(source)
+        found = [*plan_pairs(suite, root, lrs=chosen_lrs(suite, [root])), *tune_pairs(suite, root)]
+        for pair in found:
             entry = {"member": pair.member.name, "seed": pair.seed, "from": str(pair.folder)}
+            if pair.tuning:
+                entry["lr"] = pair.lr
             why = _ready(suite, pair)
             if why is None:
                 continue
@@ -205,7 +214,7 @@ def archive_suite(
             if why:
                 continue
             check_folder_is_pair(suite, pair)
-            target = ledger / pair.member.name / f"seed-{pair.seed}"
+            target = ledger / pair.relpath
             files, old = _record(pair.folder), _record(target)
             pairs[-1]["to"] = str(target)
             if target in plan:

@@ -22,7 +22,7 @@ from typing import Any
 from capsctl.suites.claims import Difference, judge, paragraph
 from capsctl.suites.run_files import TESTS_FILE, epochs_trained, read_json
 from capsctl.suites.runner import Pair, resolved_pair_preset
-from capsctl.suites.spec import Member, Suite
+from capsctl.suites.spec import Member, Suite, lr_text
 
 __all__ = [
     "MemberRow",
@@ -92,6 +92,8 @@ class MemberRow:
     wall_s_total: float | None = None  # their sum: the member's machine time
     train_images_per_s: float | None = None
     budget: str = "epochs"
+    lr: str | None = None  # the runs' learning rates (one, unless they differ)
+    lr_chosen_on: str | None = None  # val: chosen on a validation split; recipe: as given
     published: dict[str, str] | None = None
     note: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
@@ -119,6 +121,8 @@ class SuiteReport:
     notes: list[str] = field(default_factory=list)
     #: The suite's claims judged on these rows (capsctl/suites/claims.py).
     claims: list[Difference] = field(default_factory=list)
+    #: Each tuned member's tuning runs and choice (capsctl/suites/tuning.py), validation only.
+    tuning: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def wall_s_total(self) -> float | None:
@@ -142,6 +146,7 @@ class SuiteReport:
             "notes": self.notes,
             "claims": [d.to_dict() for d in self.claims],
             "claims_text": paragraph(self.claims),
+            "tuning": self.tuning,
         }
 
 
@@ -208,9 +213,11 @@ def report_suite(
 
     roots = [Path(out)] if isinstance(out, (str, Path)) else [Path(o) for o in out]
     tests = list(suite.tests) or ["test"]
+    tuning = tuning_states(suite, roots)
+    chosen = {t["member"]: t["chosen"] for t in tuning}
     rows, notes = [], []
     for member in suite.members:
-        runs, done = [], []
+        runs, done, lrs = [], [], []
         walls, epochs, speeds, machines = [], [], [], []
         robust: dict[str, TestStat] = {k: TestStat(k, []) for k in ROBUST_METRICS}
         for seed in suite.seeds_of(member):
@@ -227,6 +234,7 @@ def report_suite(
             else:
                 runs.append({"tests": {"test": res["test"]}})
             done.append(seed)
+            lrs.append(_run_lr(folder))
             walls.append(float(res.get("seconds", 0.0)))
             epochs.append(epochs_trained(res))
             hist = [h.get("images_per_s") for h in res.get("history", [])]
@@ -255,6 +263,8 @@ def report_suite(
                 wall_s_total=sum(walls) if walls else None,
                 train_images_per_s=_mean(speeds),
                 budget=member.budget,
+                lr=" ".join(sorted({lr_text(x) for x in lrs if x is not None})) or None,
+                lr_chosen_on=_chosen_on(suite, member, lrs, chosen),
                 published=None if member.published is None else asdict(member.published),
                 note=member.note,
                 machine=_machine(machines),
@@ -262,7 +272,55 @@ def report_suite(
             )
         )
     claims = judge_claims(suite, rows, tests)
-    return SuiteReport(suite.name, _joined(roots), tests, rows, suite.description, notes, claims)
+    return SuiteReport(
+        suite.name, _joined(roots), tests, rows, suite.description, notes, claims, tuning
+    )
+
+
+def tuning_states(suite: Suite, roots: Sequence[Path]) -> list[dict[str, Any]]:
+    """Each tuned member's tuning as found in ``roots`` (a member whose choice the suite file
+    records shows that choice, with whatever tuning runs the folders hold)."""
+    from capsctl.suites.tuning import member_tuning
+
+    if suite.tune is None:
+        return []
+    out = []
+    for m in suite.members:
+        if not suite.tunes(m):
+            continue
+        state = member_tuning(suite, m, roots).to_dict()
+        if m.tuned is not None:
+            state["chosen"], state["recorded"] = m.tuned.lr, True
+            state["todo"] = []
+        out.append(state)
+    return out
+
+
+def _run_lr(folder: Path) -> float | None:
+    """The learning rate the run in ``folder`` trained with (its ``preset.yaml``)."""
+    from capsctl.config.yaml_io import read_preset_file
+
+    path = folder / "preset.yaml"
+    if not path.exists():
+        return None
+    lr = (read_preset_file(path).get("train") or {}).get("lr")
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+
+
+def _chosen_on(
+    suite: Suite, member: Member, lrs: Sequence[float | None], chosen: dict[str, Any]
+) -> str | None:
+    """``val`` when every run of the member trained at the learning rate chosen on the
+    validation split, ``recipe`` when the suite does not tune it, None when its runs are of
+    another learning rate than the choice (or the choice is still to be made)."""
+    if not lrs:
+        return None
+    if not suite.tunes(member):
+        return "recipe"
+    pick = chosen.get(member.name)
+    if pick is None or any(x is None or lr_text(x) != lr_text(pick) for x in lrs):
+        return None
+    return "val"
 
 
 def _joined(roots: Sequence[Path]) -> str:

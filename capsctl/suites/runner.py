@@ -8,6 +8,8 @@ Layout: ``OUT/<member>/seed-<seed>/`` is an ordinary ``capsctl train`` run folde
 - ``partial``: a ``last.safetensors`` without results: resumed (``capsctl train --resume``);
 - ``busy``: another live process holds the folder's lock: left to it;
 - ``waiting``: a ``matched`` member while no ``epochs`` member has finished: run last;
+- ``untuned``: a member whose learning rate is still to be chosen (its tuning runs are held
+  by another process): left for later;
 - ``new``: trained from the start.
 
 A pair's folder must hold the pair's own preset: a folder trained with another recipe is an
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,7 @@ from capsctl.suites.run_files import (
     is_finished,
     read_json,
 )
-from capsctl.suites.spec import Member, Suite
+from capsctl.suites.spec import Member, Suite, lr_text
 
 __all__ = [
     "TESTS_FILE",
@@ -67,20 +69,46 @@ _FREE_FIELDS = (("data", "data_dir"), ("data", "download"), ("train", "device"))
 
 @dataclass(frozen=True)
 class Pair:
+    """One run of a suite: a member's seed (``lr``: its chosen learning rate where it is not
+    the suite file's), or with ``tuning``, a tuning run of the member at learning rate ``lr``
+    (:mod:`capsctl.suites.tuning`)."""
+
     member: Member
     seed: int
     folder: Path
+    lr: float | None = None
+    tuning: bool = False
 
     @property
     def label(self) -> str:
+        if self.tuning and self.lr is not None:
+            return f"{self.member.name} lr {lr_text(self.lr)} (tuning)"
         return f"{self.member.name} seed {self.seed}"
+
+    @property
+    def relpath(self) -> Path:
+        """The pair's folder inside a suite folder or ledger."""
+        if self.tuning and self.lr is not None:
+            return tune_relpath(self.member.name, self.lr)
+        return Path(self.member.name, f"seed-{self.seed}")
+
+
+def tune_relpath(member: str, lr: float) -> Path:
+    """A tuning run's folder inside a suite folder or ledger: ``tune/<member>/lr-<lr>``."""
+    return Path("tune", member, f"lr-{lr_text(lr)}")
 
 
 def plan_pairs(
-    suite: Suite, out: Path, only: Sequence[str] = (), seeds: Sequence[int] = ()
+    suite: Suite,
+    out: Path,
+    only: Sequence[str] = (),
+    seeds: Sequence[int] = (),
+    lrs: Mapping[str, float] | None = None,
 ) -> list[Pair]:
     """The suite's pairs in running order (seed by seed, so that every member has a first seed
-    before any has a second; matched members last), restricted to ``only`` and ``seeds``."""
+    before any has a second; matched members last), restricted to ``only`` and ``seeds``;
+    ``lrs``: learning rates chosen by tuning runs, by member (for members whose choice the
+    suite file does not record yet)."""
     members = [suite.member(n) for n in only] if only else list(suite.members)
     known = {s for m in members for s in suite.seeds_of(m)}
     for s in seeds:
@@ -89,8 +117,9 @@ def plan_pairs(
                 f"--seeds {s}: not a seed of the chosen members; they have "
                 f"{', '.join(str(k) for k in sorted(known))}"
             )
+    chosen = lrs or {}
     pairs = [
-        Pair(m, s, out / m.name / f"seed-{s}")
+        Pair(m, s, out / m.name / f"seed-{s}", chosen.get(m.name))
         for m in members
         for s in suite.seeds_of(m)
         if not seeds or s in seeds
@@ -111,13 +140,20 @@ def resolved_pair_preset(suite: Suite, pair: Pair, time_limit: float | None = No
     an error names the member."""
     from capsctl.config import load_preset
 
-    overrides = suite.overrides(pair.member, pair.seed)
+    overrides = pair_overrides(suite, pair)
     if time_limit is not None:
         overrides.append(f"train.time_limit={time_limit:.0f}")
     try:
         return load_preset(suite.recipe, overrides)
     except CapsctlError as e:
         raise _of_member(e, suite, pair.member) from None
+
+
+def pair_overrides(suite: Suite, pair: Pair) -> list[str]:
+    """The ``--set`` overrides of ``pair`` (a tuning run's, or a seed's)."""
+    if pair.tuning and pair.lr is not None:
+        return suite.tune_overrides(pair.member, pair.lr)
+    return suite.overrides(pair.member, pair.seed, pair.lr)
 
 
 def _of_member(error: CapsctlError, suite: Suite, member: Member) -> CapsctlError:
@@ -147,8 +183,20 @@ def check_suite(suite: Suite, pairs: Sequence[Pair]) -> None:
             except CapsctlError as e:
                 raise _of_member(e, suite, pair.member) from None
             built.add(pair.member.name)
-        check_folder_is_pair(suite, pair)
+        if not awaiting_tuning(suite, pair):  # its preset is not known before its tuning
+            check_folder_is_pair(suite, pair)
         check_run_files(pair.folder)
+
+
+def awaiting_tuning(suite: Suite, pair: Pair) -> bool:
+    """Whether ``pair`` is a run of a member whose learning rate is still to be chosen (the
+    suite tunes it, its file records no choice, and no tuning run has made one)."""
+    return (
+        not pair.tuning
+        and pair.lr is None
+        and suite.tunes(pair.member)
+        and pair.member.tuned is None
+    )
 
 
 def _comparable(preset_dict: dict[str, Any], matched: bool) -> dict[str, Any]:
@@ -163,12 +211,19 @@ def _comparable(preset_dict: dict[str, Any], matched: bool) -> dict[str, Any]:
 
 
 def _stored_preset(folder: Path) -> dict[str, Any] | None:
+    """The folder's preset with the defaults of fields added since it was written filled in
+    (so that a new field does not make every earlier run another preset)."""
+    from capsctl.config import preset_from_dict, preset_to_dict
     from capsctl.config.yaml_io import read_preset_file
 
     path = folder / "preset.yaml"
     if not path.exists():
         return None
-    return read_preset_file(path)  # a damaged one is a one-line error naming it
+    raw = read_preset_file(path)  # a damaged one is a one-line error naming it
+    try:
+        return preset_to_dict(preset_from_dict(raw))
+    except CapsctlError:
+        return raw  # not a valid preset today: compared as written, and so refused
 
 
 def check_folder_is_pair(suite: Suite, pair: Pair) -> None:
@@ -281,14 +336,34 @@ def run_suite(
     on_event: EventFn = None,
     handle_sigint: bool = True,
 ) -> SuiteRunResult:
-    """Train, resume or score every selected pair; see the module docstring."""
+    """Tune the members whose learning rate is still to be chosen
+    (:mod:`capsctl.suites.tuning`), then train, resume or score every selected pair; see the
+    module docstring."""
+    from capsctl.suites.tuning import chosen_lrs, tune_suite
     from capsctl.training.ownership import FolderBusy
 
-    pairs = plan_pairs(suite, out, only, seeds)
+    check_suite(suite, plan_pairs(suite, out, only, seeds, chosen_lrs(suite, [out])))
+    untuned = [
+        m.name
+        for m in ([suite.member(n) for n in only] if only else suite.members)
+        if suite.tunes(m) and m.tuned is None
+    ]
+    if untuned:
+        tune_suite(
+            suite,
+            out,
+            only=untuned,
+            data_dir=data_dir,
+            on_event=on_event,
+            handle_sigint=handle_sigint,
+        )
+    pairs = plan_pairs(suite, out, only, seeds, chosen_lrs(suite, [out]))
     check_suite(suite, pairs)
     done: list[dict[str, Any]] = []
     for index, pair in enumerate(pairs):
         status = pair_status(suite, pair)
+        if awaiting_tuning(suite, pair):
+            status = "untuned"
         limit = None
         if pair.member.budget == "matched" and status in ("new",):
             limit = matched_budget(suite, out)
@@ -305,7 +380,7 @@ def run_suite(
             folder=str(pair.folder),
         )
         record = {"member": pair.member.name, "seed": pair.seed, "status": status}
-        if status in ("done", "waiting"):
+        if status in ("done", "waiting", "untuned"):
             done.append(record)
             continue
         if status in ("new", "partial"):
@@ -361,7 +436,7 @@ def _train_pair(
         if resume:
             train_from_preset(resume=pair.folder / "last.safetensors", **common)
             return
-        overrides = suite.overrides(pair.member, pair.seed)
+        overrides = pair_overrides(suite, pair)
         if limit is not None:
             overrides.append(f"train.time_limit={limit:.0f}")
         train_from_preset(suite.recipe, out=pair.folder, overrides=overrides, **common)

@@ -17,9 +17,19 @@ A suite file (bundled ones live in ``presets/suites/``)::
         seeds: [0, 1]
         budget: matched                # time limit: the other members' median wall time
         published: {top1: 0.95, source: "..."}
+    tune:                              # each member's lr chosen on a validation split
+      val_size: 5000                   # training images held out for it
+      epochs: 4                        # each tuning run's epochs
+      factors: [0.5, 1, 2]             # the grid: the member's own lr times these
 
 Each (member, seed) pair is one ``capsctl train`` run: the recipe preset with the suite's
-``set``, then the member's ``set``, then ``train.seed``. Nothing here trains or prints.
+``set``, then the member's ``set``, then its chosen learning rate (``train.lr``), then
+``train.seed``. Nothing here trains or prints.
+
+With a ``tune:`` block, each ``epochs`` member (unless ``tune: false``) has its learning rate
+chosen on a validation split before its runs (:mod:`capsctl.suites.tuning`); the choice is kept
+in the suite file as the member's ``tuned: {lr, grid}`` once made, so that the runs are
+reproducible without tuning again.
 
 Names (a member's, and the suite's) name folders and are printed in shell commands: letters,
 digits, ``.``, ``_`` and ``-`` only. No text of a suite holds a control character (an escape
@@ -44,8 +54,11 @@ __all__ = [
     "Member",
     "Published",
     "Suite",
+    "Tune",
+    "Tuned",
     "list_suites",
     "load_suite",
+    "lr_text",
     "suite_dirs",
 ]
 
@@ -69,6 +82,32 @@ class Published:
 
 
 @dataclass(frozen=True)
+class Tune:
+    """A suite's ``tune:`` block: each tuned member trains one run of ``epochs`` epochs (seed
+    ``seed``) on the training set less ``val_size`` held-out images, for each learning rate of
+    its grid, and keeps the one with the best final validation accuracy. The grid is ``grid``
+    when given, else the member's own learning rate times each of ``factors``; while the best
+    lies on an edge, the grid grows past it by ``step`` (at most ``extend`` times)."""
+
+    val_size: int
+    epochs: int
+    seed: int = 0
+    factors: tuple[float, ...] = (0.5, 1.0, 2.0)
+    grid: tuple[float, ...] = ()
+    extend: int = 2
+    step: float = 2.0
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A member's learning rate as chosen on the validation split, and the grid it was chosen
+    from (written into the suite file from ``capsctl suite tune``)."""
+
+    lr: float
+    grid: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Member:
     """One model of a suite: its name, its changes to the recipe, its seeds (default: the
     suite's), its budget (``epochs``: the recipe's epochs; ``matched``: also stopped at the
@@ -81,6 +120,8 @@ class Member:
     budget: Budget = "epochs"
     published: Published | None = None
     note: str = ""
+    tune: bool = True  # false: keep the recipe's learning rate even when the suite tunes
+    tuned: Tuned | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +136,12 @@ class Suite:
     source: str = ""
     results: str = ""  # the results file of the package this suite's measured rows go to
     claims: tuple[Claim, ...] = ()  # differences the report judges (capsctl/suites/claims.py)
+    tune: Tune | None = None
+
+    def tunes(self, member: Member) -> bool:
+        """Whether ``member``'s learning rate is chosen on validation (a ``tune:`` block, an
+        ``epochs`` member, not ``tune: false``)."""
+        return self.tune is not None and member.tune and member.budget == "epochs"
 
     def member(self, name: str) -> Member:
         for m in self.members:
@@ -108,9 +155,29 @@ class Suite:
     def seeds_of(self, member: Member) -> tuple[int, ...]:
         return member.seeds if member.seeds is not None else self.seeds
 
-    def overrides(self, member: Member, seed: int) -> list[str]:
-        """The ``--set`` overrides of one pair, applied to :attr:`recipe` in this order."""
-        return [*self.set, *member.set, f"train.seed={seed}"]
+    def overrides(self, member: Member, seed: int, lr: float | None = None) -> list[str]:
+        """The ``--set`` overrides of one pair, applied to :attr:`recipe` in this order; ``lr``:
+        the member's chosen learning rate (default: its ``tuned`` one, if any)."""
+        if lr is None and member.tuned is not None and self.tunes(member):
+            lr = member.tuned.lr
+        chosen = [] if lr is None else [f"train.lr={lr_text(lr)}"]
+        return [*self.set, *member.set, *chosen, f"train.seed={seed}"]
+
+    def tune_overrides(self, member: Member, lr: float) -> list[str]:
+        """The ``--set`` overrides of the tuning run of ``member`` at ``lr``: the validation
+        split, the tuning epochs and seed, and no final test (the test set is never touched)."""
+        if self.tune is None:
+            raise UsageError(f"suite {self.name}: has no tune block")
+        t = self.tune
+        return [
+            *self.set,
+            *member.set,
+            f"data.val_size={t.val_size}",
+            f"train.epochs={t.epochs}",
+            f"train.lr={lr_text(lr)}",
+            f"train.seed={t.seed}",
+            "train.final_test=false",
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +189,7 @@ class Suite:
             "tests": list(self.tests),
             "results": self.results,
             "claims": [asdict(c) for c in self.claims],
+            "tune": None if self.tune is None else _tune_dict(self.tune),
             "members": [
                 {
                     "name": m.name,
@@ -129,6 +197,10 @@ class Suite:
                     "seeds": list(self.seeds_of(m)),
                     "budget": m.budget,
                     "note": m.note,
+                    "tune": m.tune,
+                    "tuned": None
+                    if m.tuned is None
+                    else {"lr": m.tuned.lr, "grid": list(m.tuned.grid)},
                     "published": None
                     if m.published is None
                     else {
@@ -140,6 +212,17 @@ class Suite:
                 for m in self.members
             ],
         }
+
+
+def lr_text(lr: float) -> str:
+    """A learning rate as written in overrides and folder names (6 significant digits)."""
+    return f"{lr:.6g}"
+
+
+def _tune_dict(t: Tune) -> dict[str, Any]:
+    d = asdict(t)
+    d["factors"], d["grid"] = list(t.factors), list(t.grid)
+    return d
 
 
 def suite_dirs() -> list[Path]:
@@ -245,7 +328,8 @@ def _check_keys(data: Mapping[str, Any], allowed: Sequence[str], where: str) -> 
         raise ConfigError(f"{where}.{field}: unknown field; expected one of {', '.join(allowed)}")
 
 
-_MEMBER_KEYS = ("name", "set", "seeds", "budget", "published", "note")
+_MEMBER_KEYS = ("name", "set", "seeds", "budget", "published", "note", "tune", "tuned")
+_TUNE_KEYS = ("val_size", "epochs", "seed", "factors", "grid", "extend", "step")
 _SUITE_KEYS = (
     "name",
     "description",
@@ -256,6 +340,7 @@ _SUITE_KEYS = (
     "members",
     "results",
     "claims",
+    "tune",
 )
 
 
@@ -291,6 +376,9 @@ def _member(data: Any, index: int) -> Member:
             **{k: _prose(pub.get(k, ""), f"{where}.published.{k}") for k in fields}
         )
     seeds = data.get("seeds")
+    tune = data.get("tune", True)
+    if not isinstance(tune, bool):
+        raise ConfigError(f"{where}.tune: {_shown(tune)}; use true or false")
     return Member(
         name=name,
         set=_strings(data.get("set"), f"{where}.set"),
@@ -298,6 +386,72 @@ def _member(data: Any, index: int) -> Member:
         budget=budget,
         published=published,
         note=_prose(data.get("note", ""), f"{where}.note"),
+        tune=tune,
+        tuned=_tuned(data.get("tuned"), f"{where}.tuned"),
+    )
+
+
+def _number(value: Any, where: str, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{where}: {_shown(value)} is not a number")
+    if positive and not 0 < value < float("inf"):
+        raise ConfigError(f"{where}: {_shown(value)} must be a positive number")
+    return float(value)
+
+
+def _numbers(value: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError(f"{where}: must be a list of positive numbers")
+    out = tuple(_number(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{where}: lists a value twice")
+    return tuple(sorted(out))
+
+
+def _count(value: Any, where: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{where}: {_shown(value)}; use a whole number >= {least}")
+    return value
+
+
+def _tuned(value: Any, where: str) -> Tuned | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or "lr" not in value or "grid" not in value:
+        raise ConfigError(f"{where}: needs lr and grid (capsctl suite tune prints them)")
+    _check_keys(value, ("lr", "grid"), where)
+    lr, grid = _number(value["lr"], f"{where}.lr"), _numbers(value["grid"], f"{where}.grid")
+    if lr not in grid:
+        raise ConfigError(f"{where}.lr: {lr_text(lr)} is not in its grid {list(grid)}")
+    return Tuned(lr, grid)
+
+
+def _tune(value: Any) -> Tune | None:
+    """The suite's ``tune:`` block; ConfigError naming the field."""
+    if value is None:
+        return None
+    where = "suite.tune"
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: must be a mapping (val_size, epochs, factors or grid)")
+    _check_keys(value, _TUNE_KEYS, where)
+    for key in ("val_size", "epochs"):
+        if key not in value:
+            raise ConfigError(f"{where}.{key}: missing; see capsctl suite tune --help")
+    factors = _numbers(value.get("factors", [0.5, 1, 2]), f"{where}.factors")
+    grid = _numbers(value.get("grid", []), f"{where}.grid")
+    if not (grid or factors):
+        raise ConfigError(f"{where}: give factors or a grid of learning rates")
+    step = _number(value.get("step", 2.0), f"{where}.step")
+    if step <= 1:
+        raise ConfigError(f"{where}.step: {_shown(step)} must be above 1")
+    return Tune(
+        val_size=_count(value["val_size"], f"{where}.val_size", 1),
+        epochs=_count(value["epochs"], f"{where}.epochs", 1),
+        seed=_count(value.get("seed", 0), f"{where}.seed", 0),
+        factors=factors,
+        grid=grid,
+        extend=_count(value.get("extend", 2), f"{where}.extend", 0),
+        step=step,
     )
 
 
@@ -320,6 +474,12 @@ def suite_from_dict(raw: Any, source: str, default_name: str = "") -> Suite:
         raise ConfigError(f"suite.members: {dup!r} is listed twice")
     if all(m.budget == "matched" for m in members):
         raise ConfigError("suite.members: a matched budget needs at least one epochs member")
+    tune = _tune(raw.get("tune"))
+    stray = next((m for m in members if m.tuned is not None and tune is None), None)
+    if stray is not None:
+        raise ConfigError(
+            f"suite.members ({stray.name}).tuned: the suite has no tune block to have chosen it"
+        )
     name = raw.get("name")
     return Suite(
         name=default_name if name is None else _plain_name(name, "suite.name"),
@@ -332,4 +492,5 @@ def suite_from_dict(raw: Any, source: str, default_name: str = "") -> Suite:
         source=source,
         results=_line(str(raw.get("results", "")), "suite.results"),
         claims=tuple(parse_claims(raw.get("claims"), names, "suite")),
+        tune=tune,
     )

@@ -64,7 +64,8 @@ class RunEnd:
 
     def finish(self) -> FitResult:
         """Test the best weights once, write results.json and the curves."""
-        test = self._final_test() if self.dist.is_main else None
+        tested = self.dist.is_main and self.t.final_test
+        test = self._final_test() if tested else None
         epochs_done = self.history[-1]["epoch"] if self.history else self.start_epoch
         result = FitResult(
             self.out,

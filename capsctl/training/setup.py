@@ -167,7 +167,8 @@ class RunSetUp:
             )
         self.steps_per_epoch = min(steps, t.steps_per_epoch) if t.steps_per_epoch else steps
         self.total_steps = max(1, t.epochs * self.steps_per_epoch)
-        after_last_step = (len(data.val) if data.val is not None else 0) + len(data.test)
+        tested = len(data.test) if t.final_test else 0  # images of the final test, if any
+        after_last_step = (len(data.val) if data.val is not None else 0) + tested
         self.budget = TimeBudget(t.time_limit, self.total_steps, after_last_step, self.t_start)
         self.scheduler = make_scheduler(
             self.optimizer, self.preset, self.steps_per_epoch, self.budget.progress_steps

@@ -10,7 +10,7 @@ from rich.text import Text
 from capsctl.views.common import err, fmt_duration, out, styled, table
 from capsctl.views.progress import TrainProgress
 
-__all__ = ["SuiteProgress", "print_suite_list", "print_suite_report"]
+__all__ = ["SuiteProgress", "print_suite_list", "print_suite_report", "print_tuning"]
 
 _STATUS = {
     "done": "finished, skipped",
@@ -18,6 +18,7 @@ _STATUS = {
     "partial": "resuming",
     "new": "training",
     "waiting": "waits for the other members' median wall time; run the suite again later",
+    "untuned": "waits for its learning rate to be chosen; run the suite again later",
     "busy": "another process is training it",
 }
 
@@ -33,6 +34,11 @@ class SuiteProgress(TrainProgress):
                     (f"[{e['step']}/{e['steps']}] ", "bold"),
                     f"{e['member']} seed {e['seed']}: {_STATUS.get(e['status'], e['status'])}",
                 )
+            )
+        elif kind == "suite_tune" and not self.quiet:
+            what = "resuming" if e["status"] == "partial" else "training"
+            self.progress.console.print(
+                styled(("tune ", "bold"), f"{e['member']} at lr {e['lr']:.6g}: {what}")
             )
         elif kind == "suite_pair_busy" and not self.quiet:
             self.progress.console.print(
@@ -77,7 +83,7 @@ def print_suite_report(doc: dict[str, Any]) -> None:
     """The report as a table that fits the terminal (numbers never cut): one row per member."""
     cols = ["member"]
     cols += [f"{_metric(doc, test)} % {test} mean ± std (se)" for test in doc["tests"]]
-    cols += ["seeds", "params", "GFLOPs", "epochs", "wall s", "img/s", "published"]
+    cols += ["seeds", "params", "GFLOPs", "epochs", "lr", "wall s", "img/s", "published"]
     robust = next((r["robustness"] for r in doc["rows"] if r.get("robustness")), None)
     if robust:
         from capsctl.suites.robust import ROBUST_METRICS
@@ -94,6 +100,8 @@ def print_suite_report(doc: dict[str, Any]) -> None:
         cells.append(f"{r['params']:,}" if r["params"] is not None else "-")
         cells.append(f"{r['gflops']:.3f}" if r["gflops"] is not None else "-")
         cells.append(f"{r['epochs']:.1f}" if r["epochs"] is not None else "-")
+        tuned = {"val": "v", "recipe": ""}.get(r.get("lr_chosen_on") or "", "?")
+        cells.append(f"{r['lr']}{tuned}" if r.get("lr") else "-")
         cells.append(f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-")
         speed = r["train_images_per_s"]
         cells.append(f"{speed:.0f}" if speed is not None else "-")
@@ -109,6 +117,7 @@ def print_suite_report(doc: dict[str, Any]) -> None:
     title = f"suite {doc['suite']}: {doc['folder']}"
     out.print(table(title, cols, body, right=tuple(range(1, len(cols)))))
     _print_claims(doc)
+    _print_tuning_summary(doc)
     for test in doc["tests"]:
         n = next(
             (r["tests"][test]["images"] for r in doc["rows"] if r["tests"][test]["images"]), None
@@ -137,6 +146,25 @@ def print_suite_report(doc: dict[str, Any]) -> None:
     )
 
 
+def _print_tuning_summary(doc: dict[str, Any]) -> None:
+    """Under the table: how each tuned member's learning rate was chosen (``v`` in the lr
+    column), from its validation scores; ``?``: runs of another learning rate than the choice."""
+    if not doc.get("tuning"):
+        return
+    err.print(Text("lr v: chosen on a validation split (final validation top-1 % per lr):"))
+    for t in doc["tuning"]:
+        scores = ", ".join(
+            f"{r['lr']:.6g}: {_pct(r['val_accuracy'])}" for r in t["runs"] if r["finished"]
+        )
+        if t.get("chosen") is None:
+            what = f"still tuning ({len(t['todo'])} to train)"
+        else:
+            what = f"{t['chosen']:.6g}"
+        err.print(Text(f"  {t['member']}: {what}" + (f" ({scores})" if scores else "")))
+    if any(r.get("lr_chosen_on") is None and r.get("lr") for r in doc["rows"]):
+        err.print(Text("lr ?: the runs' learning rate is not the one chosen on validation"))
+
+
 def _published(top1: str) -> str:
     """``"0.9154-0.9214"`` -> ``"91.54-92.14"``; other text as it is."""
     try:
@@ -153,3 +181,24 @@ def _print_claims(doc: dict[str, Any]) -> None:
     out.print(Text("claims, as differences with a 95% interval over seeds (Welch):"))
     for line in doc["claims_text"].splitlines():
         out.print(Text(line))
+
+
+def print_tuning(result: dict[str, Any]) -> None:
+    """``capsctl suite tune``'s table: per member and learning rate, the final validation
+    accuracy, and the choice with the line that records it in the suite file."""
+    rows = []
+    for m in result["members"]:
+        for run in m["runs"]:
+            mark = "to train" if not run["finished"] else ""
+            if run["finished"] and run["lr"] == m["chosen"]:
+                mark = "chosen"
+            own = " (own)" if run["lr"] == m["own_lr"] else ""
+            rows.append([m["member"], f"{run['lr']:.6g}{own}", _pct(run["val_accuracy"]), mark])
+    title = f"suite {result['suite']}: learning rates on the validation split"
+    out.print(table(title, ["member", "lr", "val top-1 %", ""], rows, right=[2]))
+    for m in result["members"]:
+        if m["chosen"] is None:
+            err.print(f"{m['member']}: {len(m['todo'])} learning rate(s) still to train")
+            continue
+        edge = " (on the grid's edge after every extension)" if m["on_edge"] else ""
+        out.print(Text(f"{m['member']}{edge}: {m['suite_entry']}"))
