@@ -90,8 +90,11 @@ def test_a_launch_keeps_what_triton_specializes_on() -> None:
     assert dict(launch.constexprs)["ACC"] == "tl.fp32"
     assert "x_ptr" in launch.divisible and "B" not in launch.divisible  # B = 4
     assert "M" not in launch.divisible and sig["J"] == "i32"  # J = 8, M = 2
-    # one site per program here, so SB = 1: Triton makes an integer equal to 1 a constant
-    assert sig["SB"] == "constexpr" and launch.value("SB") == 1
+    # the padded tile (plan.py): x's width 4 to float32's MMA K of 8, and m*c = 2*4 to 16;
+    # int32 offsets; the launch options the variant is compiled with
+    consts = dict(launch.constexprs)
+    assert (consts["KP"], consts["MP"], consts["CP"], consts["I64"]) == (8, 2, 8, False)
+    assert sig["BB"] == "constexpr" and dict(launch.options) == {"num_warps": 4, "num_stages": 2}
     shifted = _weighted_launch(offset=1)  # x 4 bytes into its storage: not 16-byte aligned
     assert "x_ptr" not in shifted.divisible and shifted.key != launch.key
     assert _weighted_launch().key == launch.key
@@ -208,7 +211,8 @@ def test_the_script_captures_and_writes_its_report(tmp_path: Path, capsys) -> No
     assert script.main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["complete"] and doc["models"] == ["cifar10-caps-fast"]
-    assert doc["distinct_variants"] == 2 and doc["variants"] == []  # routed forward, backward
+    # the routed forward, its backward and the backward's weight-gradient kernel
+    assert doc["distinct_variants"] == 3 and doc["variants"] == []
     assert {s["precision"] for s in doc["steps"]} == {"float32", "bf16"}
     assert doc["triton"] and doc["scope"] == "all" and "budgets" in doc
     assert "budgets on sm_90a" in capsys.readouterr().out

@@ -79,10 +79,12 @@ __all__ = [
 
 #: The JIT kernels a launch can name, by module of capsctl/layers/backend/triton/.
 KERNEL_NAMES = {
-    "kernels": ("pass_forward", "pass_backward"),
+    "kernels": ("pass_forward", "pass_backward", "pass_weight_grad"),
     "gated": ("gated_forward", "gated_backward"),
     "em": ("em_forward", "em_backward"),
 }
+# launch options a variant is compiled with (the rest of a launch's keywords are arguments)
+_OPTIONS = ("num_warps", "num_stages")
 # Triton's names of torch's dtypes, in pointer signatures ("*fp32")
 _TRITON_TYPES = {
     torch.float32: "fp32",
@@ -103,7 +105,8 @@ class Launch:
     type or ``"constexpr"``), ``constexprs`` (parameter, value; a Triton dtype as its name such
     as ``"tl.fp32"``), ``divisible`` (parameters specialized as divisible by 16), and for the
     cost model ``tensors`` (parameter, shape, dtype, identity: one tensor passed twice counts
-    once) and ``scalars`` (parameter, value) as passed."""
+    once) and ``scalars`` (parameter, value) as passed; ``options``: the launch options given
+    (``num_warps``, ``num_stages``), which the variant is compiled with."""
 
     kernel: str
     grid: tuple[int, ...]
@@ -112,6 +115,7 @@ class Launch:
     divisible: tuple[str, ...]
     tensors: tuple[tuple[str, tuple[int, ...], str, int], ...]
     scalars: tuple[tuple[str, Any], ...]
+    options: tuple[tuple[str, int], ...] = ()
 
     @property
     def key(self) -> str:
@@ -126,6 +130,7 @@ class Launch:
             "signature": dict(self.signature),
             "constexprs": dict(self.constexprs),
             "divisible": list(self.divisible),
+            "options": dict(self.options),
         }
 
     def value(self, name: str) -> Any:
@@ -174,9 +179,10 @@ def _launch_of(kernel: Any, grid: Sequence[int], args: tuple, kwargs: dict) -> L
             else:
                 scalars.append((p.name, v))
                 div += [p.name] if spec == "D" else []
+    options = tuple((k, int(kwargs[k])) for k in _OPTIONS if k in kwargs)
     return Launch(
         kernel.fn.__name__, tuple(grid), tuple(sig), tuple(const), tuple(div), tuple(tensors),
-        tuple(scalars),
+        tuple(scalars), options,
     )  # fmt: skip
 
 
@@ -231,7 +237,9 @@ def capturing() -> Iterator[list[Launch]]:
 
     launches: list[Launch] = []
     modules = {"kernels": kernels, "gated": gated, "em": em}
-    items = [(dispatch, "triton_status", lambda device: "")]
+    # the launches a GPU gets: not the interpreter's (ops.kernel_meta widens 16-bit products
+    # for it)
+    items = [(dispatch, "triton_status", lambda device: ""), (ops, "interpreted", lambda: False)]
     for mod, names in KERNEL_NAMES.items():
         items += [(modules[mod], n, _Recorder(getattr(modules[mod], n), launches)) for n in names]
     with _patched(items), dispatch.use("triton"), _python_ops_mode():

@@ -3,7 +3,8 @@ hardware would get: registers, spills, stack and shared memory, and a few PTX co
 
 :class:`Compiler` hands each variant (a :meth:`capsctl.layers.backend.triton.aot.Launch.spec`)
 to a worker process that runs ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch,
-32))`` with the launch's default options (4 warps, 3 stages), then ``cuobjdump
+32))`` with the launch's options (its ``num_warps`` and ``num_stages``; Triton's defaults, 4
+warps and 3 stages, where it gives none), then ``cuobjdump
 --dump-resource-usage`` (shipped with Triton) on the cubin for registers, stack and shared
 memory, reads spill stores from ptxas's ``-v`` report (which Triton prints when
 ``TRITON_DUMP_PTXAS_LOG`` is set) and counts instructions in the PTX.
@@ -59,12 +60,13 @@ WARM_UP = {
     "kernel": "pass_forward",
     "signature": {
         **{k: "*fp32" for k in ("x_ptr", "w_ptr", "p_ptr", "r_ptr", "s_ptr")},
-        **{"J": "i32", "B": "i32", "scale": "fp32"},
-        **{k: "constexpr" for k in ("M", "A", "C", "SB", "XD", "ROUTED", "ACC")},
-        **{k: "constexpr" for k in ("BJ", "BM", "BA", "BC")},
+        **{"J": "i32", "B": "i32", "JN": "i32", "scale": "fp32"},
+        **{k: "constexpr" for k in ("M", "A", "C", "XD", "ROUTED", "ACC", "DT", "DOT", "I64")},
+        **{k: "constexpr" for k in ("BB", "KP", "AP", "MP", "CP")},
     },
-    "constexprs": {"M": 1, "A": 1, "C": 1, "SB": 1, "XD": 1, "ROUTED": False, "ACC": "tl.fp32"}
-    | {"BJ": 2, "BM": 1, "BA": 1, "BC": 1},
+    "constexprs": {"M": 1, "A": 1, "C": 16, "XD": 1, "ROUTED": False, "ACC": "tl.fp32"}
+    | {"DT": "tl.fp32", "DOT": "tf32x3", "I64": False}
+    | {"BB": 1, "KP": 8, "AP": 1, "MP": 1, "CP": 16},
     "divisible": ["x_ptr", "w_ptr", "p_ptr", "r_ptr", "s_ptr"],
 }
 _RESOURCES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
@@ -149,6 +151,7 @@ def _kernel(name: str) -> Any:
     from capsctl.layers.backend.triton import em, gated, kernels
 
     table = {"pass_forward": kernels.pass_forward, "pass_backward": kernels.pass_backward}
+    table |= {"pass_weight_grad": kernels.pass_weight_grad}
     table |= {"gated_forward": gated.gated_forward, "gated_backward": gated.gated_backward}
     table |= {"em_forward": em.em_forward, "em_backward": em.em_backward}
     return table[name]
@@ -177,10 +180,11 @@ def compile_variant(spec: dict[str, Any], arch: int) -> dict[str, Any]:
     }
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec["divisible"]}
     src = ASTSource(fn, spec["signature"], const, attrs)
+    options = dict(spec.get("options") or {})  # num_warps, num_stages of the launch
     log = io.StringIO()  # Triton prints ptxas's -v log here (TRITON_DUMP_PTXAS_LOG)
     start, cpu = time.perf_counter(), _cpu_s()
     with contextlib.redirect_stdout(log):
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     seconds, cpu = time.perf_counter() - start, _cpu_s() - cpu
     ptx = k.asm["ptx"]
     target = re.search(r"^\.target\s+(\S+)", ptx, re.M)

@@ -17,8 +17,10 @@ logit products): building the votes is ``2X`` per entry; a weighted sum or an ag
 a product 1. Per vote entry:
 
 - routed forward ``2X + 4`` (votes, agreement, weighted sum); weighted forward ``2X + 2``;
-- routed/weighted backward ``2X + 3`` (votes again, ``dR``, ``R G``), routed ``+ 2`` (``dA P``)
-  ``+ 2`` if ``dP``; ``+ 2X`` each for ``dX`` and ``dW``;
+- routed/weighted backward, first kernel (``pass_backward``): ``2X + 3`` (votes again, ``dR``,
+  ``R G``), routed ``+ 2`` (``dA P``) ``+ 2`` if ``dP``, ``+ 2X`` for ``dX``; second kernel
+  (``pass_weight_grad``, no votes): ``1`` (``R G``), routed ``+ 2`` (``dA P``), ``+ 2X`` for
+  ``dW``; the gated and EM backwards ``+ 2X`` each for ``dX`` and ``dW``;
 - gated forward ``2X + 2``, plus ``2 L``; gated backward ``6X + 3`` plus ``4 L``;
 - EM moments forward ``2X + 6`` (votes, shift, ``k U``, ``k U^2``); quadratic form ``2X + 5``;
 - EM backward ``2X + 5`` (votes, shift, ``dV``), ``+ 4`` (moments) or ``+ 5`` (quadratic form)
@@ -75,7 +77,9 @@ def _per_vote(kernel: str, f: dict[str, Any]) -> tuple[int, int]:
         return (2 * x + 4 if f["ROUTED"] else 2 * x + 2), 0
     if kernel == "pass_backward":
         routed = 2 + 2 * int(bool(f["NEED_P"])) if f["ROUTED"] else 0
-        return 2 * x + 3 + routed + grads, 0
+        return 2 * x + 3 + routed + 2 * x * int(bool(f["NEED_X"])), 0
+    if kernel == "pass_weight_grad":
+        return 1 + (2 if f["ROUTED"] else 0) + 2 * x, 0
     if kernel == "gated_forward":
         return 2 * x + 2, 2
     if kernel == "gated_backward":

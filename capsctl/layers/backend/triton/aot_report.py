@@ -70,7 +70,7 @@ def group_variants(captures: Sequence[tuple[dict[str, Any], Sequence[Any]]]) -> 
 def describe(launch: Any) -> dict[str, str]:
     """The capsctl pass and direction a launch belongs to: ``{"pass": routed | weighted |
     gated | em_moments | em_quad, "direction": forward | backward}``."""
-    family, direction = launch.kernel.rsplit("_", 1)
+    family, direction = _KERNELS[launch.kernel]
     flags = dict(launch.constexprs)
     name = {
         "pass": "routed" if flags.get("ROUTED") else "weighted",
@@ -78,6 +78,18 @@ def describe(launch: Any) -> dict[str, str]:
         "em": "em_quad" if flags.get("QUAD") else "em_moments",
     }[family]
     return {"pass": name, "direction": direction}
+
+
+# each kernel's family and direction (the weight gradient is the backward's second kernel)
+_KERNELS = {
+    "pass_forward": ("pass", "forward"),
+    "pass_backward": ("pass", "backward"),
+    "pass_weight_grad": ("pass", "backward"),
+    "gated_forward": ("gated", "forward"),
+    "gated_backward": ("gated", "backward"),
+    "em_forward": ("em", "forward"),
+    "em_backward": ("em", "backward"),
+}
 
 
 def _joined(values: Sequence[Any]) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from capsctl.layers.backend.triton.kernels import (
+from capsctl.layers.backend.triton.rank_one import (
     add_site,
     load_site,
     tile_index,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from capsctl.layers.backend.triton.kernels import (
+from capsctl.layers.backend.triton.rank_one import (
     add_site,
     coef_offs,
     tile_index,

@@ -1,23 +1,26 @@
-"""Triton kernels of the routed and the weighted pass: the votes built on chip, never stored.
+"""Triton kernels of the routed and the weighted pass: the votes built on chip as matrix
+products (tiles.py) and never stored, every sum kept in registers and written once.
 
-Letters and layouts as in capsctl/layers/passes/routed.py: child poses ``x[J, B, a, x]``,
-weights ``w[J, x, m, c]``, parent poses ``p[B, m, a, c]``, coefficients ``r[J, B, m]``, the sum
-``s[B, m, a, c]`` (all contiguous). A program owns a tile of ``BJ`` children and a span of
-``SB`` parent sites; per site it builds the tile's votes ``V[BJ, m, a, c]`` as ``XD`` rank-one
-updates (the child pose column times the weight row), then
+Letters and layouts as in capsctl/layers/passes/routed.py and tiles.py. Three kernels, none
+with an atomic:
 
-- routed (``ROUTED``): ``A = scale * sum_{a,c} V P``, ``R = softmax_m(A)`` (stored),
-  ``S += sum_j R V``;
-- weighted: ``R`` read, ``S += sum_j R V``.
+- :func:`pass_forward` (grid: site blocks x child spans). A program owns ``BB`` parent sites
+  and loops over its span of ``JN`` children; per child it builds the votes ``V[BB, a, m, c]``
+  (one ``tl.dot``), then routed (``ROUTED``): ``A = scale * sum_{a,c} V P``,
+  ``R = softmax_m(A)`` (stored); weighted: ``R`` read. ``S += R V`` stays in registers; the
+  program writes its span's sum once, to ``S[span, B, m, a, c]`` (the launcher adds the spans).
+- :func:`pass_backward` (same grid), from ``G = d loss / d S``: the votes again,
+  ``dR = sum_{a,c} V G``; routed: ``dA = R (dR - sum_m R dR)`` (stored for the weights'
+  gradient, ``NEED_A``), ``dP += scale sum_j dA V`` (registers, written once per span),
+  ``dV = R G + scale dA P``; weighted: ``dR`` stored, ``dV = R G``; then ``dX = dV W^T``
+  (one ``tl.dot`` per child, stored: a site and a child belong to one program).
+- :func:`pass_weight_grad` (grid: children x site spans x parent blocks): ``dV`` needs no
+  votes once ``dA`` is known, ``dV = R G + dA (scale P)`` (weighted ``R G``), so a program
+  owns one child and ``MB`` of its parents and loops over its span of sites in blocks of
+  ``BB``, summing ``dW += X^T dV`` (one ``tl.dot`` per block) in registers; it writes its
+  span's ``dW[span, J, x, m, c]`` once (the launcher adds the spans).
 
-The backward rebuilds the tile's votes site by site. From ``G = d loss / d S``:
-``dR = sum_{a,c} V G``; routed: ``dA = R (dR - sum_m R dR)``, ``dP += scale sum_j dA V``,
-``dV = R G + scale dA P``; weighted: ``dR`` stored, ``dV = R G``; then ``dX = dV W^T`` (stored:
-one site, one child) and ``dW = X^T dV`` (summed over the program's sites on chip, then added).
-Sums across programs (``S``, ``dP`` over child tiles, ``dW`` over site spans) are atomic adds
-into zeroed buffers. Block edges (``BM``, ``BA``, ``BC``, ``BX``: powers of two at least ``m``,
-``a``, ``c``, ``x``) are masked; padded entries load as zero. ``ACC`` is the accumulation type
-(float32; float64 for float64 inputs).
+Masks cut the padded dimensions (tiles.py) and the sites past a program's span.
 """
 
 from __future__ import annotations
@@ -25,151 +28,129 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = [
-    "add_site",
-    "coef_offs",
-    "load_site",
-    "pass_backward",
-    "pass_forward",
-    "tile_index",
-    "votes",
-    "w_row",
-    "x_col",
-]
+from capsctl.layers.backend.triton.tiles import (
+    coef_tile,
+    parent_tile,
+    pose_rows,
+    softmax_rows,
+    to_rows,
+    vote_tile,
+    widen,
+)
 
-
-@triton.jit
-def tile_index(j0, BJ: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr):
-    """Index blocks ``jj[BJ,1,1,1]``, ``mm[1,BM,1,1]``, ``aa[1,1,BA,1]``, ``cc[1,1,1,BC]``."""
-    jj = (j0 + tl.arange(0, BJ)).to(tl.int64)[:, None, None, None]
-    mm = tl.arange(0, BM)[None, :, None, None]
-    aa = tl.arange(0, BA)[None, None, :, None]
-    cc = tl.arange(0, BC)[None, None, None, :]
-    return jj, mm, aa, cc
-
-
-@triton.jit
-def x_col(x_ptr, b, xi, jj, aa, J, B, A, XD: tl.constexpr, ACC: tl.constexpr):
-    """Column ``xi`` of the child poses at site ``b``: ``X[j, b, a, xi]`` -> ``[BJ, 1, BA, 1]``."""
-    offs = ((jj * B + b) * A + aa) * XD + xi
-    return tl.load(x_ptr + offs, mask=(jj < J) & (aa < A), other=0.0).to(ACC)
-
-
-@triton.jit
-def w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD: tl.constexpr, ACC: tl.constexpr):
-    """Row ``xi`` of the weights: ``W[j, xi, m, c]`` -> ``[BJ, BM, 1, BC]``."""
-    offs = ((jj * XD + xi) * M + mm) * C + cc
-    return tl.load(w_ptr + offs, mask=(jj < J) & (mm < M) & (cc < C), other=0.0).to(ACC)
-
-
-@triton.jit
-def votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD: tl.constexpr, ACC: tl.constexpr):
-    """``V[j, m, a, c] = sum_x X[j, b, a, x] W[j, x, m, c]`` of one site -> ``[BJ, BM, BA, BC]``."""
-    v = x_col(x_ptr, b, 0, jj, aa, J, B, A, XD, ACC) * w_row(w_ptr, 0, jj, mm, cc, J, M, C, XD, ACC)
-    for xi in tl.static_range(1, XD):
-        xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
-        v += xv * w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, BA, BC]
-    return v
-
-
-@triton.jit
-def load_site(ptr, b, mm, aa, cc, M, A, C, ACC: tl.constexpr):
-    """A parent-sized operand at site ``b``: ``T[b, m, a, c]`` -> ``[1, BM, BA, BC]``."""
-    offs = ((b * M + mm) * A + aa) * C + cc
-    return tl.load(ptr + offs, mask=(mm < M) & (aa < A) & (cc < C), other=0.0).to(ACC)
-
-
-@triton.jit
-def add_site(ptr, b, part, M, A, C, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr):
-    """Atomically add ``part[BM, BA, BC]`` to ``T[b, m, a, c]``."""
-    m3 = tl.arange(0, BM)[:, None, None]
-    a3 = tl.arange(0, BA)[None, :, None]
-    c3 = tl.arange(0, BC)[None, None, :]
-    offs = ((b * M + m3) * A + a3) * C + c3
-    tl.atomic_add(ptr + offs, part, mask=(m3 < M) & (a3 < A) & (c3 < C))
-
-
-@triton.jit
-def coef_offs(j0, b, B, M, BJ: tl.constexpr, BM: tl.constexpr):
-    """Offsets ``[BJ, BM]`` into a coefficient-sized ``T[J, B, m]`` at site ``b``, and ``m``."""
-    j2 = (j0 + tl.arange(0, BJ)).to(tl.int64)[:, None]
-    m2 = tl.arange(0, BM)[None, :]
-    return (j2 * B + b) * M + m2, j2, m2
+__all__ = ["pass_backward", "pass_forward", "pass_weight_grad"]
 
 
 @triton.jit
 def pass_forward(
-    x_ptr, w_ptr, p_ptr, r_ptr, s_ptr, J, B, M, A, C, SB, scale,
-    XD: tl.constexpr, ROUTED: tl.constexpr, ACC: tl.constexpr,
-    BJ: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+    x_ptr, w_ptr, p_ptr, r_ptr, s_ptr, J, B, JN, scale,
+    M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
+    ROUTED: tl.constexpr, ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
+    I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
+    MP: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """``S[B, m, a, c] += sum_j R V`` over one child tile and a span of sites; ``ROUTED``: ``R``
+    """``S[span, B, m, a, c] = sum_{j in span} R V`` of the program's sites; ``ROUTED``: ``R``
     from the agreement with ``P`` (written to ``r_ptr``), else read from ``r_ptr``."""
-    j0 = tl.program_id(0) * BJ
-    b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
-    for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        roffs, j2, m2 = coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
-        rmask = (j2 < J) & (m2 < M)
+    b0 = tl.program_id(0) * BB
+    span = tl.program_id(1)
+    j_lo = span * JN
+    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    if ROUTED:
+        pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC) * scale  # scale P
+    acc = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # S of the span
+    for j in range(j_lo, tl.minimum(j_lo + JN, J)):
+        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
+                         MP, CP)  # fmt: skip
+        roffs, rmask, m2 = coef_tile(j, b0, B, 0, B, M, I64, BB, MP)  # [BB, MP]
         if ROUTED:
-            pv = load_site(p_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
-            logit = tl.sum(tl.sum(v * pv, axis=3), axis=2) * scale  # [BJ, BM]
-            logit = tl.where(m2 < M, logit, float("-inf"))
-            e = tl.exp(logit - tl.max(logit, axis=1)[:, None])  # [BJ, BM]
-            r = e / tl.sum(e, axis=1)[:, None]  # [BJ, BM]
+            logit = tl.sum(tl.sum(v * pv, axis=3), axis=1)  # [BB, MP]
+            r = softmax_rows(logit, m2, M)  # [BB, MP]
             tl.store(r_ptr + roffs, r, mask=rmask)
         else:
-            r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BJ, BM]
-        part = tl.sum(r[:, :, None, None] * v, axis=0)  # [BM, BA, BC]
-        add_site(s_ptr, b, part, M, A, C, BM, BA, BC)
+            r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
+        acc += r[:, None, :, None] * v  # [BB, AP, MP, CP]
+    s_offs = widen(span, I64) * B * (M * A * C) + poffs
+    tl.store(s_ptr + s_offs, acc, mask=pmask)
 
 
 @triton.jit
 def pass_backward(
-    x_ptr, w_ptr, p_ptr, r_ptr, g_ptr, gx_ptr, gw_ptr, gp_ptr, J, B, M, A, C, SB, scale,
-    XD: tl.constexpr, ROUTED: tl.constexpr, ACC: tl.constexpr,
-    NEED_X: tl.constexpr, NEED_W: tl.constexpr, NEED_P: tl.constexpr,
-    BJ: tl.constexpr, BM: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BX: tl.constexpr,
+    x_ptr, w_ptr, p_ptr, r_ptr, g_ptr, gx_ptr, gp_ptr, da_ptr, J, B, JN, scale,
+    M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
+    ROUTED: tl.constexpr, NEED_X: tl.constexpr, NEED_P: tl.constexpr, NEED_A: tl.constexpr,
+    ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
+    I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
+    MP: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """Gradients of one child tile over a span of sites from ``G[B, m, a, c]`` (``g_ptr``):
-    ``dX[J, B, a, x]`` stored, ``dW[J, x, m, c]`` added once per program; ``dP[B, m, a, c]``
-    added per site (routed) or ``dR[J, B, m]`` stored in ``gp_ptr`` (weighted)."""
-    j0 = tl.program_id(0) * BJ
-    b_lo = tl.program_id(1) * SB
-    jj, mm, aa, cc = tile_index(j0, BJ, BM, BA, BC)
-    xs = tl.arange(0, BX)[None, None, None, :]  # [1, 1, 1, BX]
-    gw = tl.zeros((BJ, BM, BC, BX), dtype=ACC)  # dW of the tile, [j, m, c, x]
-    for b in range(b_lo, tl.minimum(b_lo + SB, B)):
-        v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
-        gv = load_site(g_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
-        roffs, j2, m2 = coef_offs(j0, b, B, M, BJ, BM)  # [BJ, BM]
-        rmask = (j2 < J) & (m2 < M)
-        r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BJ, BM]
-        dr = tl.sum(tl.sum(v * gv, axis=3), axis=2)  # [BJ, BM]
-        dv = r[:, :, None, None] * gv  # [BJ, BM, BA, BC]
+    """From ``G[B, m, a, c]`` (``g_ptr``): ``dX[J, B, a, x]`` stored (``NEED_X``); routed:
+    ``dP[span, B, m, a, c]`` written once per span (``NEED_P``) and ``dA[J, B, m]`` stored
+    (``NEED_A``); weighted: ``dR[J, B, m]`` stored (``NEED_P``, in ``gp_ptr``)."""
+    b0 = tl.program_id(0) * BB
+    span = tl.program_id(1)
+    j_lo = span * JN
+    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    gv = tl.load(g_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MP, CP]
+    if ROUTED:
+        pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC) * scale  # scale P
+    gp = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # dP of the span (routed), before the scale
+    for j in range(j_lo, tl.minimum(j_lo + JN, J)):
+        v, wt = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
+                          MP, CP)  # fmt: skip
+        roffs, rmask, _ = coef_tile(j, b0, B, 0, B, M, I64, BB, MP)  # [BB, MP]
+        r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
+        dr = tl.sum(tl.sum(v * gv, axis=3), axis=1)  # [BB, MP]
+        dv = r[:, None, :, None] * gv  # [BB, AP, MP, CP]
         if ROUTED:
-            da = r * (dr - tl.sum(r * dr, axis=1)[:, None])  # [BJ, BM], before the scale
+            da = r * (dr - tl.sum(r * dr, axis=1)[:, None])  # [BB, MP], before the scale
             if NEED_P:
-                part = tl.sum(da[:, :, None, None] * v, axis=0) * scale  # [BM, BA, BC]
-                add_site(gp_ptr, b, part, M, A, C, BM, BA, BC)
-            pv = load_site(p_ptr, b, mm, aa, cc, M, A, C, ACC)  # [1, BM, BA, BC]
-            dv += (scale * da)[:, :, None, None] * pv  # [BJ, BM, BA, BC]
+                gp += da[:, None, :, None] * v  # [BB, AP, MP, CP]
+            if NEED_A:
+                tl.store(da_ptr + roffs, da, mask=rmask)  # dA[J, B, m]
+            dv += da[:, None, :, None] * pv  # [BB, AP, MP, CP]
         elif NEED_P:
             tl.store(gp_ptr + roffs, dr, mask=rmask)  # dR[J, B, m]
-        for xi in tl.static_range(XD):
-            if NEED_X:
-                wv = w_row(w_ptr, xi, jj, mm, cc, J, M, C, XD, ACC)  # [BJ, BM, 1, BC]
-                gxi = tl.sum(tl.sum(dv * wv, axis=3), axis=1)  # [BJ, BA]
-                a2 = tl.arange(0, BA)[None, :]
-                offs = ((j2 * B + b) * A + a2) * XD + xi  # [BJ, BA]
-                tl.store(gx_ptr + offs, gxi, mask=(j2 < J) & (a2 < A))
-            if NEED_W:
-                xv = x_col(x_ptr, b, xi, jj, aa, J, B, A, XD, ACC)  # [BJ, 1, BA, 1]
-                gwi = tl.sum(xv * dv, axis=2)  # [BJ, BM, BC]
-                gw += tl.where(xs == xi, gwi[:, :, :, None], 0.0)  # [BJ, BM, BC, BX]
-    if NEED_W:
-        c4 = tl.arange(0, BC)[None, None, :, None]
-        m4 = tl.arange(0, BM)[None, :, None, None]
-        offs = ((jj * XD + xs) * M + m4) * C + c4  # [BJ, BM, BC, BX] into W[J, x, m, c]
-        tl.atomic_add(gw_ptr + offs, gw, mask=(jj < J) & (m4 < M) & (c4 < C) & (xs < XD))
+        if NEED_X:
+            wtt = tl.trans(wt.to(ACC))  # [N, KP]
+            gx = tl.dot(to_rows(dv, BB, AP, MP, CP), wtt, input_precision=DOT)  # [R, KP]
+            xo, xmask = pose_rows(j, b0, B, B, A, XD, I64, BB, KP, AP)  # [R, KP]
+            tl.store(gx_ptr + xo, gx, mask=xmask)  # dX[J, B, a, x]
+    if ROUTED and NEED_P:
+        gp_offs = widen(span, I64) * B * (M * A * C) + poffs
+        tl.store(gp_ptr + gp_offs, gp * scale, mask=pmask)
+
+
+@triton.jit
+def pass_weight_grad(
+    x_ptr, p_ptr, r_ptr, da_ptr, g_ptr, gw_ptr, J, B, BN, scale,
+    M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
+    ROUTED: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, I64: tl.constexpr,
+    BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr, MB: tl.constexpr, CP: tl.constexpr,
+):  # fmt: skip
+    """``dW[span, j, x, m, c] = sum_{b in span} X^T dV`` of one child ``j`` and parents
+    ``m0 + [0, MB)`` over its span of ``BN`` sites, ``dV = R G + dA (scale P)`` (routed; ``dA``
+    from :func:`pass_backward`) or ``R G`` (weighted)."""
+    j = tl.program_id(0)
+    span = tl.program_id(1)
+    m0 = tl.program_id(2) * MB
+    b_lo = span * BN
+    b_hi = tl.minimum(b_lo + BN, B)
+    gw = tl.zeros((KP, MB * CP), dtype=ACC)  # dW of the span, [x, (m, c)]
+    for b0 in range(b_lo, b_hi, BB):
+        xo, xmask = pose_rows(j, b0, b_hi, B, A, XD, I64, BB, KP, AP)  # [R, KP]
+        xt = tl.load(x_ptr + xo, mask=xmask, other=0.0).to(ACC)  # [R, KP]
+        poffs, pmask = parent_tile(b0, b_hi, m0, M, A, C, I64, BB, AP, MB, CP)
+        gv = tl.load(g_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MB, CP]
+        roffs, rmask, _ = coef_tile(j, b0, b_hi, m0, B, M, I64, BB, MB)  # [BB, MB]
+        r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MB]
+        dv = r[:, None, :, None] * gv  # [BB, AP, MB, CP]
+        if ROUTED:
+            pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC) * scale
+            da = tl.load(da_ptr + roffs, mask=rmask, other=0.0)  # [BB, MB]
+            dv += da[:, None, :, None] * pv  # [BB, AP, MB, CP]
+        gw += tl.dot(tl.trans(xt), to_rows(dv, BB, AP, MB, CP), input_precision=DOT)  # [KP, N]
+    kk = tl.arange(0, KP)[:, None]
+    nn = tl.arange(0, MB * CP)[None, :]
+    mm = m0 + nn // CP
+    cc = nn % CP
+    offs = ((widen(span, I64) * J + j) * XD + kk) * (M * C) + mm * C + cc  # [KP, N]
+    tl.store(gw_ptr + offs, gw, mask=(kk < XD) & (mm < M) & (cc < C))

@@ -26,13 +26,16 @@ from collections.abc import Sequence
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
-from capsctl.layers.backend.triton import gated, kernels
+from capsctl.layers.backend.triton import gated, interpreted, kernels
+from capsctl.layers.backend.triton.plan import LaunchPlan, launch_plan
 
 __all__ = [
     "acc_dtype",
     "block_sizes",
+    "kernel_meta",
     "launch_shape",
     "on_device",
     "triton_gated",
@@ -70,15 +73,34 @@ def block_sizes(m: int, a: int, c: int, xd: int) -> dict[str, int]:
     return {"BM": np2(m), "BA": np2(a), "BC": np2(c)} | ({"BX": np2(xd)} if xd else {})
 
 
+def kernel_meta(x: Tensor, m: int, a: int, c: int, plan: LaunchPlan, *numels: int) -> dict:
+    """The constexprs the routed and weighted kernels share: sizes, types (``ACC`` sums, ``DT``
+    of the vote product, ``DOT`` the precision of float32 products), int64 offsets where a
+    tensor of ``numels`` (or ``x``) has ``2**31`` elements or more, and the padded sizes."""
+    acc = acc_dtype(x)[1]
+    dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, acc)
+    if interpreted():
+        # Triton's interpreter multiplies a bf16 tl.dot's raw bits (it keeps bf16 as uint16);
+        # 16-bit values widened to float32 are exact and so are their products, so the
+        # float32 product is the tensor cores' (exact products, float32 sums)
+        dt = acc
+    return {
+        "M": m, "A": a, "C": c, "XD": x.shape[3], "ACC": acc, "DT": dt,
+        "DOT": "ieee" if x.dtype == torch.float64 else "tf32x3",
+        "I64": max(x.numel(), *numels) >= 2**31,
+    }  # fmt: skip
+
+
 def _forward(
     x: Tensor, w: Tensor, p: Tensor | None, r: Tensor | None, scale: float, tiling: Sequence[int]
 ) -> tuple[Tensor, Tensor]:
     """``(s[B, m, a, c], r[J, B, m])``: routed when ``p`` is given, else weighted by ``r``."""
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt, acc = acc_dtype(x)
+    dt = acc_dtype(x)[0]
     x, w = x.contiguous(), w.contiguous()
-    s = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], summed atomically
+    plan = launch_plan(j, bsz, m, a, c, xd, x.element_size(), *tiling)
+    s = x.new_empty(plan.spans, bsz, m, a, c, dtype=dt)  # [spans, B, m, a, c], one sum a span
     routed = p is not None
     if routed:
         p = p.contiguous()
@@ -86,12 +108,13 @@ def _forward(
     else:
         r = r.contiguous()
         p = s  # not read
-    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
+    meta = kernel_meta(x, m, a, c, plan, s.numel(), r.numel()) | plan.pads()
     with on_device(x):
-        kernels.pass_forward[grid](
-            x, w, p, r, s, j, bsz, m, a, c, sb, scale,
-            XD=xd, ROUTED=routed, ACC=acc, BJ=bj, **block_sizes(m, a, c, 0),
+        kernels.pass_forward[plan.grid(bsz)](
+            x, w, p, r, s, j, bsz, plan.span, scale, ROUTED=routed, BB=plan.block, **meta,
+            num_warps=plan.warps, num_stages=plan.stages,
         )  # fmt: skip
+    s = s[0] if plan.spans == 1 else s.sum(0)  # [B, m, a, c]
     return s.to(x.dtype), r
 
 
@@ -106,30 +129,50 @@ def _backward(
     tiling: Sequence[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(gx[J, B, a, x], gw[J, x, m, c], gp)`` with ``gp`` the gradient of ``p[B, m, a, c]``
-    (routed) or of ``r[J, B, m]`` (weighted); an unneeded gradient is an empty tensor."""
+    (routed) or of ``r[J, B, m]`` (weighted), each in its input's dtype; an unneeded gradient
+    is an empty tensor."""
     j, bsz, a, xd = x.shape
     m, c = w.shape[2], w.shape[3]
-    dt, acc = acc_dtype(x)
+    dt = acc_dtype(x)[0]
     x, w, r, gs = x.contiguous(), w.contiguous(), r.contiguous(), gs.contiguous()
     routed = p is not None
+    need_x, need_w, need_p = (bool(n) for n in needs)
+    need_a = routed and need_w  # dA[J, B, m] for the weight gradient
+    plan = launch_plan(j, bsz, m, a, c, xd, x.element_size(), *tiling)
     empty = x.new_zeros(1, dtype=dt)
-    gx = x.new_empty(j, bsz, a, xd, dtype=dt) if needs[0] else empty  # [J, B, a, x], stored
-    gw = x.new_zeros(j, xd, m, c, dtype=dt) if needs[1] else empty  # [J, x, m, c], added
-    if not needs[2]:
+    gx = x.new_empty(j, bsz, a, xd, dtype=dt) if need_x else empty  # [J, B, a, x], stored
+    if not need_p:
         gp = empty
     elif routed:
-        gp = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], added
+        gp = x.new_empty(plan.spans, bsz, m, a, c, dtype=dt)  # [spans, B, m, a, c]
     else:
-        gp = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m], stored
-    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
+        gp = x.new_empty(j, bsz, m, dtype=dt)  # dR [J, B, m], stored
+    da = x.new_empty(j, bsz, m, dtype=dt) if need_a else empty  # [J, B, m], stored
+    gw = x.new_empty(plan.w_spans, j, xd, m, c, dtype=dt) if need_w else empty
+    pp = p.contiguous() if routed else gs  # P, not read by the weighted pass
+    meta = kernel_meta(x, m, a, c, plan, gp.numel(), gw.numel(), r.numel()) | plan.pads()
     with on_device(x):
-        kernels.pass_backward[grid](
-            x, w, p.contiguous() if routed else gs, r, gs, gx, gw, gp, j, bsz, m, a, c, sb,
-            scale, XD=xd, ROUTED=routed, ACC=acc, NEED_X=bool(needs[0]),
-            NEED_W=bool(needs[1]), NEED_P=bool(needs[2]), BJ=bj, **block_sizes(m, a, c, xd),
-        )  # fmt: skip
+        if need_x or need_p or need_a:
+            kernels.pass_backward[plan.grid(bsz)](
+                x, w, pp, r, gs, gx, gp, da, j, bsz, plan.span, scale, ROUTED=routed,
+                NEED_X=need_x, NEED_P=need_p, NEED_A=need_a, BB=plan.block, **meta,
+                num_warps=plan.warps, num_stages=plan.stages,
+            )  # fmt: skip
+        if need_w:
+            meta = {k: v for k, v in meta.items() if k not in ("DT", "MP")}
+            kernels.pass_weight_grad[plan.w_grid(j)](
+                x, pp, r, da, gs, gw, j, bsz, plan.w_span, scale, ROUTED=routed,
+                BB=plan.w_block, MB=plan.w_parents, **meta,
+                num_warps=plan.w_warps, num_stages=plan.stages,
+            )  # fmt: skip
+    if need_w:
+        gw = gw[0] if plan.w_spans == 1 else gw.sum(0)  # [J, x, m, c]
+    if need_p and routed:
+        gp = gp[0] if plan.spans == 1 else gp.sum(0)  # [B, m, a, c]
+    wanted = (x, w, p if routed else r)
     return tuple(
-        g.to(x.dtype) if n else x.new_empty(0) for g, n in zip((gx, gw, gp), needs, strict=True)
+        g.to(t.dtype) if n else x.new_empty(0)
+        for g, t, n in zip((gx, gw, gp), wanted, needs, strict=True)
     )
 
 

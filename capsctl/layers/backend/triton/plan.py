@@ -1,0 +1,152 @@
+"""Launch shapes of the routed and the weighted pass's kernels (kernels.py), chosen by shape.
+
+Pure Python: no Triton, no tensors. :func:`launch_plan` takes the pass's sizes (letters of
+capsctl/layers/passes/routed.py: ``J`` children, ``B`` parent sites, ``m`` parents, ``a x c``
+parent poses, ``x`` child pose width) and the inputs' element size, and gives
+
+- the padded sizes of the vote tile (tiles.py): ``AP``, ``MP``, ``CP`` (powers of two, with
+  ``MP*CP`` at least the MMA's K, so that ``dX = dV W^T`` is a tensor-core product) and ``KP``
+  (the child pose width padded to the MMA's K: 16 for 16-bit inputs, 8 for float32, 4 for
+  float64);
+- for the site-major kernels (forward, ``dX``/``dP``/``dR``): ``BB`` sites a block, sized so
+  that a ``[BB, AP, MP, CP]`` tile holds :data:`TILE_PER_THREAD` elements a thread at most
+  (more warps for wider parent poses), and the children split into spans of ``JN`` so that the
+  grid has :data:`PROGRAMS` programs or more where the sites alone give fewer;
+- for the weight-gradient kernel (child-major): ``BB`` sites a block, :data:`W_ROWS` pose rows
+  (``BB*AP``: the sum over sites is the product's inner dimension, so at least the MMA's K),
+  ``MB`` parents a program (its tile and its ``[KP, MB*CP]`` sum within
+  :data:`TILE_PER_THREAD` a thread of 4 warps where one parent allows), and the sites split
+  into spans of ``BN`` so that the grid has :data:`PROGRAMS` programs or more.
+
+The table of warps: a tile of ``T = BB*AP*MP*CP`` elements takes ``T / (32 * warps)``
+registers a thread; the site-major kernels keep three or four such tiles live (the sum, the
+votes, the parents' poses and gradient), so :data:`TILE_PER_THREAD` of 16 keeps them near 64
+registers of the 168 allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "MMA_K",
+    "PROGRAMS",
+    "TILE_PER_THREAD",
+    "W_ROWS",
+    "LaunchPlan",
+    "launch_plan",
+    "next_pow2",
+]
+
+#: The MMA's inner dimension by element size in bytes (Triton's minimum K of ``tl.dot``).
+MMA_K = {2: 16, 4: 8, 8: 4}
+#: Programs a grid aims at: two per streaming multiprocessor of an H100 (132).
+PROGRAMS = 264
+#: Elements of one ``[BB, AP, MP, CP]`` tile a thread holds at most.
+TILE_PER_THREAD = 16
+#: Children a span of the site-major kernels keeps at least (the span's sum is written once).
+MIN_SPAN = 8
+#: Pose rows ``(b, a)`` a block of the weight-gradient kernel sums over (its product's K).
+W_ROWS = 32
+_WARPS = (4, 8, 16)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two at least ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The kernels' launch shapes for one pass (module docstring)."""
+
+    kp: int
+    ap: int
+    mp: int
+    cp: int
+    block: int  # BB of the site-major kernels
+    span: int  # JN: children a program of the site-major kernels loops over
+    spans: int  # child spans (the grid's second dimension)
+    warps: int
+    w_block: int  # BB of the weight-gradient kernel
+    w_parents: int  # MB: parents a program of the weight-gradient kernel owns
+    w_span: int  # BN: sites a program of the weight-gradient kernel loops over
+    w_spans: int  # site spans (the grid's second dimension)
+    w_warps: int
+    stages: int = 2
+
+    def grid(self, bsz: int) -> tuple[int, int]:
+        """The site-major kernels' grid: (site blocks, child spans)."""
+        return (_cdiv(bsz, self.block), self.spans)
+
+    def w_grid(self, j: int) -> tuple[int, int, int]:
+        """The weight-gradient kernel's grid: (children, site spans, parent blocks)."""
+        return (j, self.w_spans, self.mp // self.w_parents)
+
+    def pads(self) -> dict[str, int]:
+        """The padded sizes as the kernels' constexprs."""
+        return {"KP": self.kp, "AP": self.ap, "MP": self.mp, "CP": self.cp}
+
+
+def _warps_for(tile: int) -> int:
+    """The fewest warps of :data:`_WARPS` that hold ``tile`` elements at
+    :data:`TILE_PER_THREAD` a thread (the most, when none does)."""
+    for w in _WARPS:
+        if tile <= TILE_PER_THREAD * 32 * w:
+            return w
+    return _WARPS[-1]
+
+
+def launch_plan(
+    j: int,
+    bsz: int,
+    m: int,
+    a: int,
+    c: int,
+    xd: int,
+    itemsize: int,
+    span: int = 0,
+    block: int = 0,
+) -> LaunchPlan:
+    """The launch shapes of a pass over ``x[J, B, a, x]``, ``w[J, x, m, c]`` with inputs of
+    ``itemsize`` bytes (2, 4 or 8); ``span`` and ``block`` (> 0, for tests) fix the children a
+    span and the sites a block (rounded up to a power of two) of the site-major kernels, and
+    the weight-gradient kernel then takes one block of sites a span."""
+    kmin = MMA_K[itemsize]
+    kp = max(next_pow2(xd), kmin)
+    ap, mp, cp = next_pow2(a), next_pow2(m), next_pow2(c)
+    while mp * cp < 16:  # dX = dV W^T sums over (m, c): a product's K
+        cp *= 2
+    per_site = ap * mp * cp
+    if block:
+        bb = next_pow2(block)
+    else:  # as many sites as a tile of 16 elements a thread of 4 warps holds, at least one
+        bb = max(1, min(next_pow2(bsz), (TILE_PER_THREAD * 32 * _WARPS[0]) // per_site))
+    warps = _warps_for(bb * per_site)
+    blocks = _cdiv(bsz, bb)
+    if span:
+        jn = span
+    else:
+        want = max(1, min(_cdiv(PROGRAMS, blocks), _cdiv(j, MIN_SPAN)))
+        jn = _cdiv(j, want)
+    # the weight gradient: rows (b, a) are the product's K (float32 products: 8 at least)
+    k_rows = MMA_K[4 if itemsize == 2 else itemsize]
+    w_block = next_pow2(max(_cdiv(k_rows, ap), _cdiv(W_ROWS, ap), block))
+    room = TILE_PER_THREAD * 32 * _WARPS[0]
+    mb = max(1, min(mp, room // (w_block * ap * cp), room // (kp * cp)))
+    nmb = mp // mb
+    if block:
+        w_span = w_block
+    else:
+        want = max(1, min(_cdiv(PROGRAMS, j * nmb), _cdiv(bsz, 4 * w_block)))
+        w_span = _cdiv(_cdiv(bsz, want), w_block) * w_block
+    w_warps = _warps_for(max(w_block * ap * mb * cp, kp * mb * cp))
+    return LaunchPlan(
+        kp=kp, ap=ap, mp=mp, cp=cp, block=bb, span=jn, spans=_cdiv(j, jn), warps=warps,
+        w_block=w_block, w_parents=mb, w_span=w_span, w_spans=_cdiv(bsz, w_span),
+        w_warps=w_warps,
+    )  # fmt: skip

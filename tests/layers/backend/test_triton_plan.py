@@ -1,0 +1,73 @@
+"""The Triton kernels' launch shapes (capsctl/layers/backend/triton/plan.py), pure Python: every
+shape the bundled models route gets padded sizes a tensor-core product accepts, tiles within the
+per-thread budget, and grids that cover every child and every site exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsctl.layers.backend.triton.plan import (
+    MMA_K,
+    TILE_PER_THREAD,
+    W_ROWS,
+    launch_plan,
+    next_pow2,
+)
+
+# (J children, B sites, m parents, a x c parent poses, x child pose width): the class layer of
+# cifar10-caps (4x4 matrices), a convolutional capsule layer, dynamic routing's 8 -> 16-wide
+# vectors, and a single-site odd shape.
+SHAPES = [
+    (32 * 16, 128, 10, 4, 4, 4),
+    (32 * 9, 128 * 36, 32, 4, 4, 4),
+    (1152, 128, 10, 1, 16, 8),
+    (7, 1, 3, 3, 5, 6),
+    (8, 4, 1, 1, 4, 4),
+]
+
+
+def test_next_pow2() -> None:
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 17)] == [1, 1, 2, 4, 4, 8, 32]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_plans_fit_the_mma_and_the_register_budget(
+    shape: tuple[int, int, int, int, int, int], itemsize: int
+) -> None:
+    j, bsz, m, a, c, xd = shape
+    p = launch_plan(j, bsz, m, a, c, xd, itemsize)
+    # padded sizes: powers of two, at least the true sizes, the products' K at least the MMA's
+    for padded, true in [(p.kp, xd), (p.ap, a), (p.mp, m), (p.cp, c)]:
+        assert padded >= true and padded == next_pow2(padded)
+    assert p.kp >= MMA_K[itemsize]
+    assert p.mp * p.cp >= 16
+    # a site-major tile holds at most TILE_PER_THREAD elements a thread, unless one site is
+    # already more than the widest block holds
+    tile = p.block * p.ap * p.mp * p.cp
+    assert tile <= TILE_PER_THREAD * 32 * p.warps or p.block == 1
+    # the grids cover every child and every site, with no empty span
+    assert p.span * p.spans >= j and p.span * (p.spans - 1) < j
+    blocks, spans = p.grid(bsz)
+    assert blocks * p.block >= bsz and (blocks - 1) * p.block < bsz
+    assert spans == p.spans
+    # the weight gradient: its rows (b, a) are a product's K, its parents split the padded m
+    assert p.w_block * p.ap >= W_ROWS
+    assert p.mp % p.w_parents == 0
+    assert p.w_span % p.w_block == 0
+    assert p.w_span * p.w_spans >= bsz and p.w_span * (p.w_spans - 1) < bsz
+    assert p.w_grid(j) == (j, p.w_spans, p.mp // p.w_parents)
+
+
+def test_small_batches_split_the_children_to_fill_the_gpu() -> None:
+    # One site: the programs come from spans of children, at least 8 children each.
+    p = launch_plan(1152, 1, 10, 1, 16, 8, 4)
+    assert p.spans > 1 and p.span >= 8
+    # Many sites: one span is enough.
+    assert launch_plan(32 * 9, 128 * 36, 32, 4, 4, 4, 4).spans == 1
+
+
+def test_fixed_span_and_block_are_kept_for_tests() -> None:
+    p = launch_plan(40, 10, 10, 4, 4, 4, 4, span=3, block=3)
+    assert (p.span, p.spans, p.block) == (3, 14, 4)
+    assert p.w_span == p.w_block
