@@ -61,6 +61,28 @@ def test_confusion_matrix_numbers_are_whole(width: int) -> None:
         assert sum(line.startswith(f"│ {name} ") for line in text.splitlines()) == len(tables)
 
 
+def words(text: str) -> set[str]:
+    """Runs of letters, digits and ``/.%-`` (table borders and spaces split them)."""
+    return set(re.findall(r"[\w/.%-]+", text))
+
+
+@pytest.mark.parametrize("width", [40, 80, 200])
+def test_no_word_is_broken_in_headers_or_text(width: int) -> None:
+    """Headers of number columns and text cells wrap at word boundaries (issue 40, item 5): a
+    class name heads its column whole, a long model name is not cut."""
+    columns = ["class", "acc", "n", *CLASSES]
+    tables = fit_tables(
+        "confusion", columns, confusion_rows(), width=width, right=range(1, len(columns))
+    )
+    rows = [["a-model-with-a-long-name", "trained under a matched budget of wall time", "1.5"]]
+    tables += fit_tables("models", ["model", "note", "epochs"], rows, width=width, right=(2,))
+    text = render(tables, width)
+    assert all(len(line) <= width for line in text.splitlines()), text
+    given = words(" ".join(["confusion models continued", *columns, "model note epochs"]))
+    given |= words(" ".join(str(c) for row in [*confusion_rows(), *rows] for c in row))
+    assert words(text) <= given, (words(text) - given, text)
+
+
 def test_shorten_path_cuts_from_the_left_at_a_folder() -> None:
     path = "runs/a/very/deep/folder/img.png"
     assert shorten_path(path, 40) == path

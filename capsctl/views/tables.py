@@ -4,16 +4,18 @@
 a table is wider than the terminal):
 
 1. every column gets its natural width (its widest cell or header);
-2. too wide: text columns shrink (down to :data:`TEXT_MIN` cells) and wrap; columns named in
-   ``shorten`` (paths) are cut from the left instead, ``…/deep/folder/img.png``;
-3. still too wide: number columns shrink to their widest number (their headers wrap, words
-   of up to 6 cells stay whole);
+2. too wide: text columns shrink (down to :data:`TEXT_MIN` cells, or their longest word) and
+   wrap at word boundaries; columns named in ``shorten`` (paths) are cut from the left
+   instead, ``…/deep/folder/img.png``;
+3. still too wide: number columns shrink to their widest number or their header's longest
+   word (their headers wrap at word boundaries);
 4. still too wide: the table folds: the columns after the first ``key`` ones are split into
    blocks that fit at their natural widths, each a table of its own that repeats the key
    columns.
 
 A number column (``right``) is never narrower than its widest number, so every number shows
-whole.
+whole, and no column is narrower than its longest word (up to :data:`WORD_MAX` cells), so
+words show whole too.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["TEXT_MIN", "fit_tables", "shorten_path"]
+__all__ = ["TEXT_MIN", "WORD_MAX", "fit_tables", "shorten_path"]
 
 #: The narrowest a text column is made before the table folds.
 TEXT_MIN = 10
-_HEADER_WORD = 6  # a number column keeps the first 6 cells of its headers' words unbroken
+#: A word this long or shorter is never broken across lines; a longer one (a hash, a path in a
+#: text column) may be, rather than fold the table for it.
+WORD_MAX = 24
 _EDGE = 1  # the table's left border
 _PER_COLUMN = 3  # one space of padding on each side and the border on the right
 
@@ -52,9 +56,19 @@ def shorten_path(text: str, width: int) -> str:
     return "…" + tail
 
 
+def _plain(cell: Cell) -> str:
+    return cell.plain if isinstance(cell, Text) else cell
+
+
 def _cell_width(cell: Cell) -> int:
-    text = cell.plain if isinstance(cell, Text) else cell
-    return max((cell_len(line) for line in text.splitlines()), default=0)
+    return max((cell_len(line) for line in _plain(cell).splitlines()), default=0)
+
+
+def _longest_word(texts: Sequence[str]) -> int:
+    """The widest word (up to :data:`WORD_MAX` cells) of ``texts``: the narrowest a column
+    showing them may become without breaking a word."""
+    widest = max((cell_len(w) for t in texts for w in t.split()), default=0)
+    return min(widest, WORD_MAX)
 
 
 @dataclass
@@ -77,8 +91,13 @@ def _columns(
         cells = max((_cell_width(r[i]) for r in rows), default=0)
         natural = max(cells, cell_len(header))
         number = i in right
-        word = max((cell_len(w) for w in header.split()), default=0)
-        least = max(cells, min(word, _HEADER_WORD), 1) if number else min(natural, TEXT_MIN)
+        if number:
+            least = max(cells, _longest_word([header]), 1)
+        elif i in shorten:
+            least = min(natural, TEXT_MIN)
+        else:
+            words = _longest_word([header, *(_plain(r[i]) for r in rows)])
+            least = max(min(natural, TEXT_MIN), words)
         result.append(_Column(header, number, i in shorten, natural, least))
     return result
 
