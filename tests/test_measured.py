@@ -103,5 +103,5 @@ def test_a_member_stopped_at_the_matched_time_is_marked_with_its_epochs(
     assert rows["caps"]["measured"]["budget"] == "epochs"
     code, out, err = run_cli(capsys, spec)
     assert code == 0, err
-    assert "55.00 (1)†" in out and "80.00 ± 7.07 (2) " in out.replace("│", " ")
+    assert "55.00 (1), 1.2 ep†" in out and "80.00 ± 7.07 (2), 2.0 ep " in out.replace("│", " ")
     assert "† big: trained under the other members' median wall time (1.2 epochs)" in err

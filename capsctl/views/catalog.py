@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from capsctl.views.common import fmt_int, fmt_pct, note, out, table
+from capsctl.views.common import fmt_int, fmt_pct, footnote, out, table
 
 __all__ = ["print_models", "print_presets"]
 
@@ -57,4 +57,4 @@ def print_weights(rows: Sequence[dict[str, Any]]) -> None:
             right=(4, 5, 6),
         )
     )
-    note("each row: capsctl eval NAME gives that accuracy; --json adds command, commit, source")
+    footnote("each row: capsctl eval NAME gives that accuracy; --json adds command, commit, source")

@@ -103,6 +103,12 @@ def note(message: str | Text) -> None:
     err.print(message, soft_wrap=True)
 
 
+def footnote(message: str) -> None:
+    """A note under a table on stderr, shown verbatim and wrapped at word boundaries to the
+    terminal's width."""
+    err.print(Text(message))
+
+
 def warning_line(message: str, label: str = "warning:") -> Text:
     """``warning: <message>`` (or another yellow label), the message verbatim."""
     return styled((label, "yellow"), " ", message)

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from capsctl.views.common import fmt_bytes, fmt_int, fmt_pct, fmt_ratio, fmt_s, note, out, table
+from capsctl.views.common import (
+    fmt_bytes,
+    fmt_int,
+    fmt_pct,
+    fmt_ratio,
+    fmt_s,
+    footnote,
+    out,
+    table,
+)
 
 __all__ = ["footer_line", "footer_lines", "print_bench", "print_compare"]
 
@@ -54,11 +63,13 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
         + (f"  routing: {native_summary()}" if first.device == "cpu" else "")
     )
     out.print(table(title, cols, body, right=(1, 2, 5, 6, 7, 8, 9, 10)))
-    note(
+    footnote(
         "peak mem: resident memory of the whole process while the model ran (device memory on GPU)"
     )
-    note("passes: what ran the routing's vote-sized passes (native: compiled CPU loops, triton:")
-    note("fused GPU kernels, chunked: torch code, dense: one expression; CAPSCTL_DEBUG says why)")
+    footnote(
+        "passes: what ran the routing's vote-sized passes (native: compiled CPU loops, triton: "
+        "fused GPU kernels, chunked: torch code, dense: one expression; CAPSCTL_DEBUG says why)"
+    )
 
 
 def _times(r: float) -> str:
@@ -118,8 +129,9 @@ def _compare_row(r: Any, speed: bool, measured: bool = False, scored: bool = Tru
         else:
             std = m.get("top1_std")
             spread = f" ± {100 * std:.2f}" if std is not None else ""
+            epochs = "" if m.get("epochs") is None else f", {m['epochs']:.1f} ep"
             mark = "†" if m.get("budget") == "matched" else ""
-            row.append(f"{100 * m['top1_mean']:.2f}{spread} ({m['seeds']}){mark}")
+            row.append(f"{100 * m['top1_mean']:.2f}{spread} ({m['seeds']}){epochs}{mark}")
     return row + [fmt_pct(r.reference_accuracy)]
 
 
@@ -131,33 +143,36 @@ def print_compare(report: Any, speed: bool) -> None:
     # A checkpoint's accuracy: its column is left out where no row has one and a suite's
     # measured column is there instead (a column of "-" reads as "not measured").
     scored = not measured or any(r.accuracy is not None for r in report.rows)
-    cols += [*(["accuracy"] if scored else []), *(["measured % (seeds)"] if measured else [])]
+    cols += [
+        *(["accuracy"] if scored else []),
+        *(["measured % (seeds), epochs"] if measured else []),
+    ]
     cols += ["published"]
     body = [_compare_row(r, speed, measured, scored) for r in report.rows]
     out.print(table("capsctl compare", cols, body, right=tuple(range(1, len(cols)))))
     for line in footer_lines(report):
         out.print(line)
-    note(report.flops_note)
+    footnote(report.flops_note)
     for r in report.rows:
         if r.reference_source:
-            note(f"published ({r.name}): {r.reference_source}")
+            footnote(f"published ({r.name}): {r.reference_source}")
     sources = {
         (m["source"], m["test_set"], m.get("test_images"), m.get("metric") or "top-1")
         for m in _measured(report)
     }
     for src, test, n, metric in sorted(sources, key=str):
         images = f", {n:,} images" if n else ""
-        note(f"measured: {src} ({metric} on {test}{images}; mean ± std over seeds)")
+        footnote(f"measured: {src} ({metric} on {test}{images}; mean ± std over seeds)")
     for r in report.rows:
         if r.measured and r.measured.get("budget") == "matched":
             epochs = r.measured.get("epochs")
             trained = "" if epochs is None else f" ({epochs:.1f} epochs)"
-            note(
+            footnote(
                 f"† {r.name}: trained under the other members' median wall time{trained}, "
                 "not for the same epochs"
             )
     for src in sorted({r.accuracy_source for r in report.rows if r.accuracy_source}):
-        note(f"accuracy source: {src}")
+        footnote(f"accuracy source: {src}")
 
 
 def _measured(report: Any) -> list[dict[str, Any]]:
