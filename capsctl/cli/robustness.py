@@ -145,4 +145,4 @@ def robustness_cmd(
     elif csv_out:
         print_plain(robustness_csv(run.results))
     else:
-        print_robustness(run.results)
+        print_robustness(run.results, [str(c) for c in ckpts])

@@ -7,7 +7,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from capsctl.views.common import fmt_pct, note, out, table
+from capsctl.views.common import fmt_pct, footnote, out, table
 
 __all__ = ["print_robustness", "robustness_csv"]
 
@@ -45,27 +45,27 @@ def _footer(results: Sequence[Any]) -> None:
     if any(x.attacks for x in results):
         cw = r.loss_name == "cw_margin"  # every result's attacks use the one --loss
         loss = "the Carlini-Wagner margin loss (--loss cw)" if cw else "each model's own loss"
-        note(
+        footnote(
             f"attacks: white-box L-inf on [0, 1] pixels with {loss}; PGD: "
             f"random start, {r.steps} steps of 2.5 * eps / steps (Madry et al.); success rate "
             "over the images correct before the attack"
         )
     if any(x.flip for x in results):
-        note("flip: outputs averaged with the mirror image's, attacked and scored alike")
+        footnote("flip: outputs averaged with the mirror image's, attacked and scored alike")
     if any(x.corruptions for x in results):
-        note(
+        footnote(
             "corruptions: CIFAR-10-C's constants; * = documented substitute (frost*: generated "
             "frost texture; motion_blur*, snow*: line-kernel motion blur instead of ImageMagick)"
         )
 
 
-def _single(r: Any) -> None:
+def _single(r: Any, name: str) -> None:
     rows = [
         [test, setting, mag, fmt_pct(acc), fmt_pct(rate), _secs(took)]
         for test, setting, mag, _, acc, rate, took in _rows(r)
         if test != "corruption"
     ]
-    title = f"{r.checkpoint}: {r.model} on {r.count:,} {r.dataset} test images (loss {r.loss_name})"
+    title = f"{name}: {r.model} on {r.count:,} {r.dataset} test images (loss {r.loss_name})"
     heads = ["test", "setting", "magnitude", "accuracy", "success", "seconds"]
     out.print(table(title, heads, rows, (3, 4, 5)))
     if r.corruptions:
@@ -78,7 +78,7 @@ def _single(r: Any) -> None:
         out.print(table("corruption accuracy", heads, crow, range(1, 8)))
 
 
-def _side_by_side(results: Sequence[Any]) -> None:
+def _side_by_side(results: Sequence[Any], names: Sequence[str]) -> None:
     keys: list[tuple[str, str, str]] = []
     cells: list[dict[tuple[str, str, str], str]] = []
     for r in results:
@@ -93,18 +93,21 @@ def _side_by_side(results: Sequence[Any]) -> None:
             keys.append(key) if key not in keys else None
             mine[key] = fmt_pct(r.mean_corruption_accuracy)
         cells.append(mine)
-    heads = ["test", "setting", "magnitude", *(r.checkpoint for r in results)]
+    heads = ["test", "setting", "magnitude", *names]
     rows = [[*k, *(c.get(k, "-") for c in cells)] for k in keys]
     right = range(3, 3 + len(results))
     out.print(table("accuracy (attack success rate)", heads, rows, right, key=3))
 
 
-def print_robustness(results: Sequence[Any]) -> None:
-    """One table per checkpoint, or one side-by-side table for several; then the footnotes."""
+def print_robustness(results: Sequence[Any], names: Sequence[str] | None = None) -> None:
+    """One table per checkpoint, or one side-by-side table for several; then the footnotes.
+    ``names``: each checkpoint as the user gave it (a shipped name, a run folder), which heads
+    its table or column; by default the file each result was measured on."""
+    shown = list(names) if names is not None else [r.checkpoint for r in results]
     if len(results) == 1:
-        _single(results[0])
+        _single(results[0], shown[0])
     else:
-        _side_by_side(results)
+        _side_by_side(results, shown)
     _footer(results)
 
 
