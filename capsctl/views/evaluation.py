@@ -46,7 +46,7 @@ def _per_class_table(res: Any) -> RenderableType:
         return table("Per-class accuracy", ["class", "acc", "n"], [r[:3] for r in rows], (1, 2))
     return table(
         "Per-class accuracy and confusion matrix (rows: true, columns: predicted)",
-        ["class", "acc", "n", *[c[:6] for c in res.classes]],
+        ["class", "acc", "n", *res.classes],  # whole names: a wide matrix folds
         rows,
         right=tuple(range(1, n + 3)),
     )
