@@ -14,7 +14,7 @@ from test_suites import TINY_SET
 
 from capsctl.config import load_preset
 from capsctl.errors import ConfigError, UsageError
-from capsctl.suites import load_suite, plan_pairs
+from capsctl.suites import load_suite, pair_commands, plan_pairs
 from capsctl.suites.results_file import read_results
 from capsctl.suites.runner import tune_relpath
 from capsctl.suites.tuning import chosen_lrs, member_tuning, tune_pairs, tuned_members
@@ -248,3 +248,22 @@ def test_tiny_suite_is_tuned_on_validation_then_run_with_the_choice(
     assert code == 0, err
     for lr in member["grid"]:
         assert (ledger / tune_relpath("idpa", lr) / "results.json").exists()
+
+
+def test_printed_commands_tune_first_then_train_at_the_choice(tmp_path: Path) -> None:
+    suite = load_suite(str(_suite_file(tmp_path, TUNE_BLOCK, TWO_MEMBERS)))
+    out = tmp_path / "out"
+    lines = pair_commands(suite, out)
+    tuning = [line for line in lines if "/tune/idpa/" in line]
+    assert len(tuning) == 3 and all("train.final_test=false" in line for line in tuning)
+    assert all("data.val_size=100" in line and "train.epochs=1" in line for line in tuning)
+    (comment,) = [line for line in lines if line.startswith("#")]
+    # a comment: plain words, nothing a shell would quote
+    assert comment.startswith("# idpa: its seeds train at the learning rate chosen on validation")
+    assert "'" not in comment
+    assert not any("idpa/seed-0" in line for line in lines)  # no final run before the choice
+    assert any("dynamic/seed-0" in line for line in lines)  # an untuned member runs at once
+    for lr, acc in [(0.001, 0.70), (0.002, 0.60), (0.004, 0.50), (0.0005, 0.65)]:
+        _fake_tune_run(out, "idpa", lr, acc)
+    (final,) = [line for line in pair_commands(suite, out) if "idpa/seed-0" in line]
+    assert final.split().index("train.lr=0.001") > final.split().index(f"train.lr={OWN_LR}")

@@ -65,11 +65,42 @@ def tiny_suite(folder: Path, steps: int = 6) -> Path:
 
 def test_bundled_suite_loads_with_its_members() -> None:
     suite = load_suite("cifar10-fast")
-    assert [m.name for m in suite.members] == ["idpa", "dynamic", "em", "self", "cnn", "resnet18"]
+    names = ["idpa", "dynamic", "em", "self", "cnn", "resnet18", "resnet18-matched"]
+    assert [m.name for m in suite.members] == names
     assert suite.seeds == (0, 1, 2)
-    assert suite.seeds_of(suite.member("resnet18")) == (0, 1)
-    assert suite.member("resnet18").budget == "matched"
+    # ResNet-18 at the members' epochs and seeds, tuned like them; its matched-time row apart
+    assert suite.seeds_of(suite.member("resnet18")) == (0, 1, 2)
+    assert suite.member("resnet18").budget == "epochs"
+    assert suite.seeds_of(suite.member("resnet18-matched")) == (0, 1)
+    assert suite.member("resnet18-matched").budget == "matched"
+    assert [m.name for m in suite.members if suite.tunes(m)] == names[:-1]
+    assert suite.tune is not None
+    assert (suite.tune.val_size, suite.tune.epochs, suite.tune.factors) == (5000, 4, (0.5, 1, 2))
     assert suite.tests == ("test-lossless-1k", "test-jpeg")
+
+
+def test_the_cifar10_fast_suite_pins_its_recipe() -> None:
+    # The frozen copy of cifar10-caps-fast (2026-12-06): its settings typed here, so that an
+    # edit to the pinned recipe, which would move the comparison, fails.
+    suite = load_suite("cifar10-fast")
+    assert suite.recipe == "cifar10-caps-fast-pinned"
+    p = resolved_pair_preset(suite, plan_pairs(suite, Path("unused"))[0])
+    assert (p.model.backbone, p.model.router["name"]) == ("fast", "idpa")
+    t = p.train
+    assert (t.epochs, t.time_limit, t.batch_size, t.optimizer, t.lr) == (8, None, 256, "sgd", 0.2)
+    assert (t.momentum, t.nesterov, t.weight_decay) == (0.9, True, 0.0005)
+    assert (t.schedule, t.label_smoothing, t.amp) == ("onecycle", 0.2, False)
+    assert (p.data.dataset, p.data.val_size) == ("cifar10", 0)
+    assert (p.data.augment.crop_padding, p.data.augment.hflip) == (2, True)
+    assert p.data.augment.test_flip is True
+
+
+def test_the_multimnist_suite_tunes_on_its_grid_for_ten_epochs() -> None:
+    suite = load_suite("multimnist")
+    assert suite.tune is not None
+    assert suite.tune.grid == (0.001, 0.002, 0.004, 0.008) and suite.tune.epochs == 3
+    p = resolved_pair_preset(suite, plan_pairs(suite, Path("unused"))[0])
+    assert p.train.epochs == 10 and suite.seeds == (0, 1, 2)
 
 
 @pytest.mark.parametrize("name", [n for n, _ in list_suites()])
@@ -106,8 +137,9 @@ def test_plan_runs_every_member_first_seed_before_any_second(tmp_path: Path) -> 
     pairs = plan_pairs(suite, tmp_path)
     labels = [p.label for p in pairs]
     assert labels[:5] == [f"{m} seed 0" for m in ("idpa", "dynamic", "em", "self", "cnn")]
-    assert labels[-2:] == ["resnet18 seed 0", "resnet18 seed 1"]  # matched members last
-    assert len(pairs) == 5 * 3 + 2
+    # matched members last
+    assert labels[-2:] == ["resnet18-matched seed 0", "resnet18-matched seed 1"]
+    assert len(pairs) == 6 * 3 + 2
     only = plan_pairs(suite, tmp_path, only=["em"], seeds=[2])
     assert [(p.member.name, p.seed, p.folder) for p in only] == [("em", 2, tmp_path / "em/seed-2")]
     with pytest.raises(CapsctlError, match="--only nope"):

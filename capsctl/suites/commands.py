@@ -86,8 +86,8 @@ def _tuning_lines(suite: Suite, member: Member, out: Path, member_tuning: Any) -
         lines.append(_command([*words, "--out", str(out / tune_relpath(member.name, lr))]))
     lines.append(
         _comment(
-            f"{member.name}: its seeds train at the learning rate chosen on validation; once "
-            "these tuning runs have finished, print the commands again (the grid may grow)"
+            f"{member.name}: its seeds train at the learning rate chosen on validation, print "
+            "the commands again once these tuning runs have finished, the grid may grow"
         )
     )
     return lines
