@@ -109,8 +109,26 @@ def table(path: Path) -> str:
             "",
             f"Trained on {where}, {fmt_duration(spent)} of machine time over {runs} runs (the sum "
             f"of their wall times); capsctl commits {which}; `capsctl/results/{path.name}`.",
+            "",
+            _shared(list(firsts)),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _shared(rows: list[dict]) -> str:
+    """Which members' runs shared the machine (``shared_runs``), or that none recorded it."""
+    known = [r for r in rows if r.get("shared_runs") is not None]
+    if not known:
+        return "No run recorded the machine's load, so whether one shared the machine is unknown."
+    shared = [
+        f"{r['member']} {r['shared_runs']} of {r['seeds_run']}" for r in known if r["shared_runs"]
+    ]
+    unknown = [r["member"] for r in rows if r.get("shared_runs") is None]
+    text = (
+        "Runs that shared the machine (a load average at least 1 above the CPUs as an epoch "
+        f"ended; their seconds are upper bounds): {', '.join(shared) or 'none'}"
+    )
+    return text + (f"; load not recorded: {', '.join(unknown)}." if unknown else ".")
 
 
 def _claims(rows: list[dict], members: dict[str, dict[str, dict]], test: str) -> list[str]:

@@ -135,3 +135,16 @@ def test_the_header_names_the_metric_of_multi_label_suites(
     assert code == 0, err
     (line,) = [x for x in err.splitlines() if "measured:" in x]  # the cnn, unmeasured, adds none
     assert f"({metric} on t1, 200 images;" in line
+
+
+def test_the_table_says_which_runs_shared_the_machine() -> None:
+    shared = _script()._shared
+    rows = [
+        {"member": "caps", "seeds_run": 3, "shared_runs": 2},
+        {"member": "cnn", "seeds_run": 3, "shared_runs": 0},
+        {"member": "old", "seeds_run": 2, "shared_runs": None},
+    ]
+    text = shared(rows)
+    assert "their seconds are upper bounds): caps 2 of 3; load not recorded: old." in text
+    assert shared(rows[1:2]).endswith("upper bounds): none.")
+    assert "unknown" in shared(rows[2:])

@@ -219,6 +219,7 @@ def test_report_and_results_file_round_trip(tmp_path: Path) -> None:
     assert header == (
         "suite,member,model,test_set,test_images,metric,top1_mean,top1_std,top1_se,test_se,seeds,"
         "seeds_run,epochs,wall_s,train_images_per_s,params,gflops,budget,lr,lr_chosen_on,cpu,cores,"
+        "shared_runs,"
         "device,torch,commit,note"
     )
     assert tuple(header.split(",")) == RESULT_COLUMNS
@@ -505,3 +506,30 @@ def test_plot_labels_spread_apart_only_where_they_would_touch() -> None:
     # at the same height stays.
     dys = label_offsets([(0.0, 100.0), (50.0, 101.0), (500.0, 100.0)], [60.0] * 3, 10.0)
     assert dys == pytest.approx([-4.5, 4.5, 0.0])
+
+
+def test_report_counts_the_runs_that_shared_the_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite_file, runs = _one_member_suite(tmp_path, (100.0, 100.0))
+    args = ["suite", "report", str(runs), "--suite", str(suite_file), "--no-score", "--json"]
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert json.loads(out)["rows"][0]["shared_runs"] is None  # no epoch recorded a load
+    # seed 0 alone on its 2 CPUs (load 2.4), seed 1 beside another process in one epoch (3.0)
+    for seed, loads in [(0, (2.4, 1.9)), (1, (2.0, 3.0))]:
+        path = runs / f"caps/seed-{seed}/results.json"
+        res = json.loads(path.read_text())
+        for h, load in zip(res["history"], loads, strict=True):
+            h |= {"load_1m": load, "cpus": 2}
+        path.write_text(json.dumps(res))
+    code, out, err = run_cli(capsys, args)
+    assert code == 0, err
+    assert json.loads(out)["rows"][0]["shared_runs"] == 1
+    code, _, err = run_cli(capsys, args[:-1])
+    assert code == 0, err
+    assert "shared the machine" in err and "caps 1" in err
+    results = tmp_path / "r.csv"
+    code, _, err = run_cli(capsys, [*args[:-1], "--results", str(results)])
+    assert code == 0, err
+    assert read_results(results)[0]["shared_runs"] == 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,7 @@ class MemberRow:
     budget: str = "epochs"
     lr: str | None = None  # the runs' learning rates (one, unless they differ)
     lr_chosen_on: str | None = None  # val: chosen on a validation split; recipe: as given
+    shared_runs: int | None = None  # runs that shared the machine (None: no run recorded load)
     published: dict[str, str] | None = None
     note: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
@@ -218,7 +219,7 @@ def report_suite(
     rows, notes = [], []
     for member in suite.members:
         runs, done, lrs = [], [], []
-        walls, epochs, speeds, machines = [], [], [], []
+        walls, epochs, speeds, machines, shared = [], [], [], [], []
         robust: dict[str, TestStat] = {k: TestStat(k, []) for k in ROBUST_METRICS}
         for seed in suite.seeds_of(member):
             folder = pick_pair_folder(suite, member, seed, roots)
@@ -241,6 +242,7 @@ def report_suite(
             hist = [float(h) for h in hist if isinstance(h, (int, float))]
             if hist:
                 speeds.append(statistics.fmean(hist))
+            shared.append(shared_machine(res.get("history") or []))
             machines += read_json(folder / "provenance.json").get("trained_by") or []
             if robustness is not None:
                 summary = robustness_or_note(folder, label, robustness, notes, data_dir, on_event)
@@ -265,6 +267,7 @@ def report_suite(
                 budget=member.budget,
                 lr=" ".join(sorted({lr_text(x) for x in lrs if x is not None})) or None,
                 lr_chosen_on=_chosen_on(suite, member, lrs, chosen),
+                shared_runs=_count_shared(shared),
                 published=None if member.published is None else asdict(member.published),
                 note=member.note,
                 machine=_machine(machines),
@@ -275,6 +278,29 @@ def report_suite(
     return SuiteReport(
         suite.name, _joined(roots), tests, rows, suite.description, notes, claims, tuning
     )
+
+
+#: A run shared the machine when, as one of its epochs ended, the load average over the last
+#: minute was at least this much above its CPU count: another busy process ran beside it.
+SHARED_LOAD_MARGIN = 1.0
+
+
+def shared_machine(history: Sequence[Mapping[str, Any]]) -> bool | None:
+    """Whether a run shared its machine, from the load average its epochs recorded
+    (``load_1m``, ``cpus``: capsctl/training/trainer.py); None when no epoch recorded one."""
+    loads = [
+        (float(h["load_1m"]), int(h["cpus"]))
+        for h in history
+        if isinstance(h.get("load_1m"), (int, float)) and isinstance(h.get("cpus"), int)
+    ]
+    if not loads:
+        return None
+    return any(load >= cpus + SHARED_LOAD_MARGIN for load, cpus in loads)
+
+
+def _count_shared(shared: Sequence[bool | None]) -> int | None:
+    """How many runs shared the machine; None when no run recorded its load."""
+    return None if all(x is None for x in shared) else sum(bool(x) for x in shared)
 
 
 def tuning_states(suite: Suite, roots: Sequence[Path]) -> list[dict[str, Any]]:

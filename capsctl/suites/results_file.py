@@ -1,7 +1,9 @@
 """Results files (timm's ``results/`` convention): a suite report as one CSV row per member and
 test file, :data:`RESULT_COLUMNS`; :func:`write_results` writes them, :func:`read_results` reads
 them back with numbers as numbers. ``metric`` names what the accuracy columns hold (``top-1``,
-or DiverseMultiMNIST's top-2 exact match)."""
+or DiverseMultiMNIST's top-2 exact match); ``lr`` and ``lr_chosen_on`` the runs' learning rate
+and where it was chosen (``val``, ``recipe``); ``shared_runs`` how many of the member's runs
+shared the machine, from the load average their epochs recorded (empty: none recorded one)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ RESULT_COLUMNS = (
     "lr_chosen_on",
     "cpu",
     "cores",
+    "shared_runs",
     "device",
     "torch",
     "commit",
@@ -94,6 +97,7 @@ def result_rows(report: SuiteReport) -> list[dict[str, str]]:
                     "lr_chosen_on": _fmt(r.lr_chosen_on),
                     "cpu": _fmt(r.machine.get("cpu")),
                     "cores": _fmt(r.machine.get("cores")),
+                    "shared_runs": _fmt(r.shared_runs),
                     "device": _fmt(r.machine.get("device")),
                     "torch": _fmt(r.machine.get("torch_version")),
                     "commit": _fmt(r.machine.get("commit")),
@@ -136,7 +140,7 @@ def parse_row(raw: dict[str, str]) -> dict[str, Any]:
     return {k: _parse_cell(k, v) for k, v in raw.items()}
 
 
-_INT_COLUMNS = ("test_images", "seeds_run", "params", "cores")
+_INT_COLUMNS = ("test_images", "seeds_run", "params", "cores", "shared_runs")
 _FLOAT_COLUMNS = (
     "top1_mean",
     "top1_std",

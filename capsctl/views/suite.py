@@ -135,6 +135,14 @@ def print_suite_report(doc: dict[str, Any]) -> None:
                 "corruptions: mean over CIFAR-10-C's 15 corruptions x 5 severities"
             )
         )
+    shared = [f"{r['member']} {r['shared_runs']}" for r in doc["rows"] if r.get("shared_runs")]
+    if shared:
+        err.print(
+            Text(
+                "shared the machine (runs whose load average passed their CPUs by 1 or more; "
+                f"their seconds are upper bounds): {', '.join(shared)}"
+            )
+        )
     if doc.get("wall_s_total") is not None:
         spent = fmt_duration(doc["wall_s_total"])
         err.print(Text(f"machine time: {spent} over {doc['runs']} runs (their wall times)"))
