@@ -66,7 +66,7 @@ def em_forward(
             add_site(o1_ptr, b, tl.sum(k4 * u, axis=0), M, A, C, BM, BA, BC)
             add_site(o2_ptr, b, tl.sum(k4 * u * u, axis=0), M, A, C, BM, BA, BC)
             m1 = tl.arange(0, BM)
-            tl.atomic_add(mass_ptr + b * M + m1, tl.sum(k, axis=0), mask=m1 < M)
+            tl.atomic_add(mass_ptr + b * M + m1, tl.sum(k, axis=0), mask=m1 < M, sem="relaxed")
 
 
 @triton.jit
@@ -120,4 +120,6 @@ def em_backward(
     if NEED_W:
         c4 = tl.arange(0, BC)[None, None, :, None]
         woffs = ((jj * XD + xs) * M + mm) * C + c4  # [BJ, BM, BC, BX] into W[J, x, m, c]
-        tl.atomic_add(gw_ptr + woffs, gw, mask=(jj < J) & (mm < M) & (c4 < C) & (xs < XD))
+        tl.atomic_add(
+            gw_ptr + woffs, gw, mask=(jj < J) & (mm < M) & (c4 < C) & (xs < XD), sem="relaxed"
+        )

@@ -64,7 +64,7 @@ def gated_forward(
         act = tl.load(act_ptr + b * J + j2, mask=j2 < J, other=0.0).to(ACC)  # [BJ, 1]
         q = tl.where(m2 < M, coef * act, 0.0)  # [BJ, BM]
         m1 = tl.arange(0, BM)
-        tl.atomic_add(t_ptr + b * M + m1, tl.sum(q, axis=0), mask=m1 < M)  # T[b, m]
+        tl.atomic_add(t_ptr + b * M + m1, tl.sum(q, axis=0), mask=m1 < M, sem="relaxed")  # T[b, m]
         v = votes(x_ptr, w_ptr, b, jj, mm, aa, cc, J, B, M, A, C, XD, ACC)  # [BJ, BM, BA, BC]
         add_site(s_ptr, b, tl.sum(q[:, :, None, None] * v, axis=0), M, A, C, BM, BA, BC)
 
@@ -115,9 +115,11 @@ def gated_backward(
             gwr += tl.where(xs == xi, xv * dl4, 0.0)  # [BJ, BM, BA, BX]
     c4 = tl.arange(0, BC)[None, None, :, None]
     offs = ((jj * XD + xs) * M + mm) * C + c4  # [BJ, BM, BC, BX] into W[J, x, m, c]
-    tl.atomic_add(gw_ptr + offs, gw, mask=(jj < J) & (mm < M) & (c4 < C) & (xs < XD))
+    tl.atomic_add(gw_ptr + offs, gw, mask=(jj < J) & (mm < M) & (c4 < C) & (xs < XD), sem="relaxed")
     offs = ((jj * A + aa) * XD + xs) * M + mm  # [BJ, BM, BA, BX] into wr[J, a*x, m]
-    tl.atomic_add(gwr_ptr + offs, gwr, mask=(jj < J) & (mm < M) & (aa < A) & (xs < XD))
+    tl.atomic_add(
+        gwr_ptr + offs, gwr, mask=(jj < J) & (mm < M) & (aa < A) & (xs < XD), sem="relaxed"
+    )
     j2 = (j0 + tl.arange(0, BJ))[:, None]
     m2 = tl.arange(0, BM)[None, :]
-    tl.atomic_add(gbr_ptr + j2 * M + m2, gbr, mask=(j2 < J) & (m2 < M))
+    tl.atomic_add(gbr_ptr + j2 * M + m2, gbr, mask=(j2 < J) & (m2 < M), sem="relaxed")

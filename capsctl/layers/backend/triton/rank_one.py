@@ -73,7 +73,7 @@ def add_site(ptr, b, part, M, A, C, BM: tl.constexpr, BA: tl.constexpr, BC: tl.c
     a3 = tl.arange(0, BA)[None, :, None]
     c3 = tl.arange(0, BC)[None, None, :]
     offs = ((b * M + m3) * A + a3) * C + c3
-    tl.atomic_add(ptr + offs, part, mask=(m3 < M) & (a3 < A) & (c3 < C))
+    tl.atomic_add(ptr + offs, part, mask=(m3 < M) & (a3 < A) & (c3 < C), sem="relaxed")
 
 
 @triton.jit
