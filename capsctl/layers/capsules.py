@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from capsctl.layers.backend import dispatch
 from capsctl.layers.passes.layout import permute_rows, to_channels_last, window_copy
 from capsctl.layers.passes.pose_norm import pose_layer_norm
 from capsctl.layers.passes.routed import routed_pass
@@ -32,13 +33,22 @@ from capsctl.layers.passes.rows_first import layout_layer_norm, to_rows, to_stan
 from capsctl.layers.poses import PoseKind, pose_shape
 
 
-def routed_pass_in_float32(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """:func:`~capsctl.layers.passes.routed.routed_pass` in float32, also under autocast (its
-    buffers and softmax stay float32)."""
-    if torch.is_autocast_enabled(x.device.type):
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            return routed_pass(x.float(), w.float(), p.float(), scale)
-    return routed_pass(x, w, p, scale)
+def routed_pass_under_autocast(
+    x: Tensor, w: Tensor, p: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`~capsctl.layers.passes.routed.routed_pass`, also under autocast: where the fused
+    Triton kernels run it, in autocast's 16-bit dtype end to end (the kernels accumulate every
+    sum and the softmax in float32 and round only the results); elsewhere in float32 (the
+    compiled CPU loops and the torch code keep their buffers and softmax in float32)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return routed_pass(x, w, p, scale)
+    low = torch.get_autocast_dtype(device)
+    cast = (x.to(low), w.to(low), p.to(low))
+    with torch.autocast(device_type=device, enabled=False):
+        if dispatch.takes_triton(*cast):
+            return routed_pass(*cast, scale)
+        return routed_pass(x.float(), w.float(), p.float(), scale)
 
 
 class PrimaryCapsules(nn.Module):
@@ -279,7 +289,7 @@ class FCCapsules(CapsuleLayer):
         """:meth:`routed_sum` of the children ``xj[J=n, B=b, a, x]`` (any strides)."""
         b, m, a = xj.shape[1], self.out_types, self.rows
         p = query.reshape(b, m, a, self.cols_out)  # [B=b, m, a, c]
-        s, r = routed_pass_in_float32(xj, self.weight, p, scale)  # [b, m, a, c], [n, b, m]
+        s, r = routed_pass_under_autocast(xj, self.weight, p, scale)  # [b, m, a, c], [n, b, m]
         return s.reshape(b, m, self.out_dim), r.permute(1, 0, 2)  # [b, m, d], [b, n, m]
 
     def uniform_coefficients(self, child: Tensor) -> Tensor:
@@ -388,7 +398,7 @@ class ConvCapsules(CapsuleLayer):
         xj, h, w = self._windows(child)
         wj = self.weight.reshape(k * k * n, self.cols_in, m, self.cols_out)  # [J, x, m, c]
         p = query.reshape(b * h * w, m, self.rows, self.cols_out)  # [B, m, a, c]
-        s, r = routed_pass_in_float32(xj, wj, p, scale)  # [B, m, a, c], [J, B, m]
+        s, r = routed_pass_under_autocast(xj, wj, p, scale)  # [B, m, a, c], [J, B, m]
         coeffs = r.view(k, k, n, b, h, w, m).permute(3, 4, 5, 0, 1, 2, 6)  # [b, h, w, k, l, n, m]
         return s.reshape(b, h, w, m, self.out_dim), coeffs  # [b, h, w, m, d]
 

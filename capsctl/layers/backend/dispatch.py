@@ -51,6 +51,7 @@ __all__ = [
     "choose",
     "ran",
     "reset_ran",
+    "takes_triton",
     "tracing",
     "triton_status",
     "use",
@@ -151,6 +152,15 @@ def _triton_reason(tensors: tuple[Tensor, ...]) -> str:
     if not all(t.dtype in _TRITON_DTYPES for t in tensors):
         return "the Triton kernels take floating-point tensors"
     return triton_status(device)
+
+
+def takes_triton(*tensors: Tensor) -> bool:
+    """Whether a pass over ``tensors`` would run as the fused Triton kernels (no export, trace
+    or ``use("chunked")`` in the way): the passes that may then take 16-bit inputs under
+    autocast."""
+    if _OPEN["dense"] or _OPEN["chunked"] or torch.jit.is_tracing():
+        return False
+    return not _triton_reason(tensors)
 
 
 def _chosen(choice: Choice) -> Choice:

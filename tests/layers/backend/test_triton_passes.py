@@ -383,3 +383,41 @@ def test_bfloat16_inputs_are_summed_in_float32() -> None:
     for got, want in zip(grads, torch.autograd.grad(s32.sum(), full), strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want.bfloat16())
+
+
+# The routed pass under bf16 autocast against the float64 equations on the unrounded inputs:
+# bf16 keeps 8 significant bits, so inputs and results each carry a relative rounding of up to
+# 2^-8; through the agreement and the softmax that is at most a few percent of the largest
+# value. Written down here: 3e-2 of the largest reference value.
+BF16_TOLERANCE = 3e-2
+
+
+def test_bf16_reaches_the_kernels_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    from capsctl.layers.backend.triton import ops
+    from capsctl.layers.capsules import routed_pass_under_autocast
+
+    seen: list[torch.dtype] = []
+    real = ops.triton_routed
+
+    def spy(x, w, p, scale, *rest):  # type: ignore[no-untyped-def]
+        seen.append(x.dtype)
+        return real(x, w, p, scale, *rest)
+
+    with dispatch.use("triton"):  # the kernels' self-test runs on first use: before the spy
+        assert dispatch.takes_triton(torch.zeros(1))
+    monkeypatch.setattr(ops, "triton_routed", spy)
+    shape = SHAPES["fc-matrix-partial-tiles"]
+    x, w, p, _, scale = _inputs(shape)
+    s64, _ = routed_equations(x, w, p, scale)
+    x, w, p = x.float(), w.float(), p.float()
+    with dispatch.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        s, _ = routed_pass_under_autocast(x, w, p, scale)
+    assert seen == [torch.bfloat16] and s.dtype == torch.bfloat16
+    err = (s.double() - s64).abs().max() / s64.abs().max()
+    assert err <= BF16_TOLERANCE
+    # where the kernels do not run, the pass stays float32 under autocast
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s32, _ = routed_pass_under_autocast(x, w, p, scale)
+    assert seen == [] and s32.dtype == torch.float32
+    torch.testing.assert_close(s32.double(), s64, rtol=1e-5, atol=1e-5)
