@@ -29,6 +29,7 @@ accumulator per thread, added up in a fixed order, so results do not depend on t
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import threading
@@ -208,7 +209,11 @@ def run_spans(part: Callable[[int, int, int], None], spans: list[tuple[int, int]
             part(i, start, stop)
 
     pool = _pool(len(spans))
-    futures = [pool.submit(call, i, s0, s1) for i, (s0, s1) in enumerate(spans)]
+    # each worker runs in a copy of the caller's context: its dispatch.use() blocks hold there
+    futures = [
+        pool.submit(contextvars.copy_context().run, call, i, s0, s1)
+        for i, (s0, s1) in enumerate(spans)
+    ]
     wait(futures)
     for f in futures:
         f.result()  # re-raises a worker's exception

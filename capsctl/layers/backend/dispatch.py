@@ -30,12 +30,12 @@ autograd functions export and compile must not see (capsctl/layers/passes/layout
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
-import threading
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -65,12 +65,30 @@ TRITON_ENV = "CAPSCTL_TRITON"
 #: dtypes the Triton kernels take (float32 sums in every case).
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-_OPEN = {"dense": 0, "chunked": 0, "triton": 0}  # open use() blocks of each backend
 _RAN: Counter[str] = Counter()  # backends chosen since reset_ran()
 _TRITON_CHECKED: dict[str, str] = {}  # device -> why its self-test failed ("" passed)
 log = logging.getLogger(__name__)
-_SITES = {"sites": 0}  # parent sites per tile fixed by use(..., sites=)
-_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """The :func:`use` blocks open in the current context: how many of each backend, and the
+    parent sites per tile fixed by ``use("chunked", sites=)`` (0: none)."""
+
+    dense: int = 0
+    chunked: int = 0
+    triton: int = 0
+    sites: int = 0
+
+
+# Per thread and per asyncio task (a context variable), not per process: an export's
+# use("dense") in one thread leaves another thread's training on its own backend.
+_BLOCKS: contextvars.ContextVar[_Blocks] = contextvars.ContextVar("capsctl_use")
+_NO_BLOCKS = _Blocks()
+
+
+def _blocks() -> _Blocks:
+    return _BLOCKS.get(_NO_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -90,24 +108,20 @@ def use(backend: str, *, sites: int = 0) -> Iterator[None]:
     can run (``dense`` always can; ``chunked`` is the torch code, also where the compiled loops
     or the Triton kernels could run; ``triton`` also takes CPU tensors, under Triton's
     interpreter); ``sites`` (> 0, ``chunked`` only): parent sites per tile of the chunked
-    passes. Blocks nest and may be open in several threads at once; ``dense`` wins over
-    ``chunked``, which wins over ``triton``."""
-    if backend not in _OPEN:
+    passes. Blocks nest; ``dense`` wins over ``chunked``, which wins over ``triton``. A block
+    holds for the thread (or asyncio task) that opened it, and for the worker threads of the
+    chunked passes it starts (capsctl/layers/backend/chunks.py), not for other threads."""
+    if backend not in ("dense", "chunked", "triton"):
         raise ValueError(f"use() takes 'dense', 'chunked' or 'triton', got {backend!r}")
     if sites and backend != "chunked":
         raise ValueError("sites= applies to the chunked backend only")
-    with _LOCK:
-        _OPEN[backend] += 1
-        before = _SITES["sites"]
-        if sites:
-            _SITES["sites"] = sites
+    blocks = _blocks()
+    opened = replace(blocks, **{backend: getattr(blocks, backend) + 1})
+    token = _BLOCKS.set(replace(opened, sites=sites) if sites else opened)
     try:
         yield
     finally:
-        with _LOCK:
-            _OPEN[backend] -= 1
-            if sites:
-                _SITES["sites"] = before
+        _BLOCKS.reset(token)
 
 
 def tracing() -> bool:
@@ -145,7 +159,7 @@ def _self_test(device: str) -> str:
 def _triton_reason(tensors: tuple[Tensor, ...]) -> str:
     """Why the Triton kernels cannot run this pass ("" where they do)."""
     device = tensors[0].device
-    if device.type == "cpu" and not _OPEN["triton"]:
+    if device.type == "cpu" and not _blocks().triton:
         return 'the Triton kernels run on CUDA devices (on a CPU only inside use("triton"))'
     if any(t.device != device for t in tensors):
         return "the tensors are on several devices"
@@ -158,7 +172,8 @@ def takes_triton(*tensors: Tensor) -> bool:
     """Whether a pass over ``tensors`` would run as the fused Triton kernels (no export, trace
     or ``use("chunked")`` in the way): the passes that may then take 16-bit inputs under
     autocast."""
-    if _OPEN["dense"] or _OPEN["chunked"] or torch.jit.is_tracing():
+    blocks = _blocks()
+    if blocks.dense or blocks.chunked or torch.jit.is_tracing():
         return False
     return not _triton_reason(tensors)
 
@@ -170,18 +185,19 @@ def _chosen(choice: Choice) -> Choice:
 
 def choose(*tensors: Tensor) -> Choice:
     """The backend of a pass over ``tensors`` (its inputs, as the pass will read them)."""
-    if _OPEN["dense"]:
+    blocks = _blocks()
+    if blocks.dense:
         return _chosen(Choice("dense", 'inside use("dense") (export)'))
-    sites = _SITES["sites"]
+    sites = blocks.sites
     on_cpu = tensors[0].device.type == "cpu"
     why_not_triton = _triton_reason(tensors)
     if torch.compiler.is_compiling():
-        if not why_not_triton and not _OPEN["chunked"]:
+        if not why_not_triton and not blocks.chunked:
             return _chosen(Choice("triton"))  # custom ops: compile keeps the fused pass
         return _chosen(Choice("dense", "torch.compile or torch.export is tracing"))
     if torch.jit.is_tracing():
         return _chosen(Choice("chunked", "torch.jit is tracing", sites))
-    if _OPEN["chunked"]:
+    if blocks.chunked:
         return _chosen(Choice("chunked", 'inside use("chunked")', sites))
     if not why_not_triton:
         return _chosen(Choice("triton"))

@@ -52,23 +52,45 @@ def test_use_refuses_what_it_cannot_pick() -> None:
         pass
 
 
-def test_blocks_in_two_threads_close_in_any_order() -> None:
+def test_a_block_holds_for_its_own_thread_only() -> None:
+    # an export's use("dense") in one thread must not move another thread's training
     entered, leave = threading.Barrier(2), threading.Event()
+    seen: list[str] = []
 
-    def block() -> None:
-        with dispatch.use("chunked"):
+    def export() -> None:
+        with dispatch.use("dense"):
+            seen.append(dispatch.choose(torch.zeros(2)).backend)
             entered.wait()
             leave.wait()
 
-    thread = threading.Thread(target=block)
+    thread = threading.Thread(target=export)
     thread.start()
-    with dispatch.use("chunked"):
-        entered.wait()
-    # the other thread's block is still open: the torch code runs
-    assert dispatch.choose(torch.zeros(2)).reason == 'inside use("chunked")'
-    leave.set()
-    thread.join()
-    assert dispatch.choose(torch.zeros(2)).reason != 'inside use("chunked")'
+    entered.wait()
+    try:
+        assert seen == ["dense"]
+        assert dispatch.choose(torch.zeros(2)).backend != "dense"
+        with dispatch.use("chunked"):  # blocks in both threads, closed in any order
+            assert dispatch.choose(torch.zeros(2)).reason == 'inside use("chunked")'
+    finally:
+        leave.set()
+        thread.join()
+    assert dispatch.choose(torch.zeros(2)).backend != "chunked" or native.loaded() is None
+
+
+def test_the_chunked_passes_workers_keep_their_callers_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from capsctl.layers.backend.chunks import run_spans
+
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", "2")
+    seen: dict[int, dispatch.Choice] = {}
+
+    def part(i: int, start: int, stop: int) -> None:
+        seen[i] = dispatch.choose(torch.zeros(2))
+
+    with dispatch.use("chunked", sites=5):
+        run_spans(part, [(0, 3), (3, 6)])
+    assert seen == {i: dispatch.Choice("chunked", 'inside use("chunked")', 5) for i in (0, 1)}
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:FutureWarning")
