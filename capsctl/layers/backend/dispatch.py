@@ -34,8 +34,9 @@ import contextvars
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,6 +52,7 @@ __all__ = [
     "choose",
     "ran",
     "reset_ran",
+    "run_fused",
     "takes_triton",
     "tracing",
     "triton_status",
@@ -209,6 +211,64 @@ def choose(*tensors: Tensor) -> Choice:
     if native.loaded() is None:
         return _chosen(Choice("chunked", "the compiled loops are " + native.native_status(), sites))
     return _chosen(Choice("native"))
+
+
+# (kernel, shapes, dtypes, device) -> why the fused pass failed there; its torch code runs
+_FUSED_FAILED: dict[tuple[Any, ...], str] = {}
+# (kernel, shapes, dtypes, device) whose backward ran once (a pass needing gradients runs its
+# backward at those shapes once first, so that a failure shows before training relies on it)
+_FUSED_PROVEN: set[tuple[Any, ...]] = set()
+
+
+def run_fused(kernel: str, call: Callable[..., Any], *inputs: Tensor) -> Any | None:
+    """``call(*inputs)``, the fused Triton pass ``kernel``; None where it fails to import,
+    compile or launch at these shapes, after one warning naming the kernel, the shapes and the
+    reason: the caller then runs its torch code, now and at these shapes from then on. Where
+    an input needs its gradient, the pass's backward runs once at each new set of shapes
+    first, so that a backward kernel's failure falls back too. Under ``torch.compile`` errors
+    propagate (the compiled graph holds the custom op)."""
+    if torch.compiler.is_compiling():
+        return call(*inputs)
+    key = (
+        kernel,
+        tuple(tuple(t.shape) for t in inputs),
+        tuple(t.dtype for t in inputs),
+        str(inputs[0].device),
+    )
+    if key in _FUSED_FAILED:
+        return None
+    try:
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        if grads and key not in _FUSED_PROVEN:
+            _backward_once(call, inputs)
+            _FUSED_PROVEN.add(key)
+        return call(*inputs)
+    except Exception as e:  # noqa: BLE001 - any failure of the kernel: the torch code runs
+        shapes = " ".join("x".join(map(str, t.shape)) for t in inputs)
+        lines = str(e).strip().splitlines() or [""]
+        why = f"{type(e).__name__}: {lines[0][:200]}".rstrip(": ")
+        _FUSED_FAILED[key] = why
+        log.warning(
+            "the Triton kernel of the %s pass failed at shapes %s on %s (%s); that pass runs as "
+            "torch code there",
+            kernel,
+            shapes,
+            key[3],
+            why,
+        )
+        return None
+
+
+def _backward_once(call: Callable[..., Any], inputs: tuple[Tensor, ...]) -> None:
+    """The fused pass forward and backward on detached copies of ``inputs``."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        out = call(*leaves)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+        wrt = [t for t in leaves if t.requires_grad]
+        if outs and wrt:
+            loss = sum(o.float().sum() for o in outs)
+            torch.autograd.grad(loss, wrt, allow_unused=True)
 
 
 def ran() -> dict[str, int]:

@@ -37,7 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import choose, run_fused
 
 __all__ = ["EM_CHUNK_BYTES", "VoteMoments", "VoteQuad", "vote_moments", "vote_quad", "vote_shift"]
 
@@ -281,8 +281,17 @@ def vote_moments(
     """:class:`VoteMoments` (``S[2, B, d, m]`` and the mass ``[B, m, 1]``) on the backend
     capsctl/layers/backend/dispatch.py chooses: the fused Triton kernel on a GPU (the same
     sums in its layouts), else the chunked pass (compiled loops or torch code)."""
-    if choose(r, a, x, wc, shift).backend != "triton":
-        return VoteMoments.apply(r, a, x, wc, shift)
+    if choose(r, a, x, wc, shift).backend == "triton":
+        fused = run_fused("em_moments", _triton_moments, r, a, x, wc, shift)
+        if fused is not None:
+            return fused
+    return VoteMoments.apply(r, a, x, wc, shift)
+
+
+def _triton_moments(
+    r: Tensor, a: Tensor, x: Tensor, wc: Tensor, shift: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`vote_moments` as the fused Triton kernel (its layouts in and out)."""
     from capsctl.layers.backend.triton.em_ops import triton_em_moments
 
     j, bsz, rows, xd = x.shape
@@ -296,8 +305,15 @@ def vote_moments(
 def vote_quad(qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:
     """:class:`VoteQuad` (``Q[B, J, m]``) on the backend dispatch.py chooses (the fused Triton
     kernel on a GPU, else the chunked pass)."""
-    if choose(qp, x, wc, shift).backend != "triton":
-        return VoteQuad.apply(qp, x, wc, shift)
+    if choose(qp, x, wc, shift).backend == "triton":
+        fused = run_fused("em_quad", _triton_quad, qp, x, wc, shift)
+        if fused is not None:
+            return fused
+    return VoteQuad.apply(qp, x, wc, shift)
+
+
+def _triton_quad(qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:
+    """:func:`vote_quad` as the fused Triton kernel (its layouts in and out)."""
     from capsctl.layers.backend.triton.em_ops import triton_em_quad
 
     j, _, rows, xd = x.shape

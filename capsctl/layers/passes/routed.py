@@ -50,12 +50,14 @@ are the child poses of the next. Only buffers allocated here are updated in plac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
@@ -230,6 +232,12 @@ def routed_pass_dense(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Te
     return s.permute(0, 2, 1, 3), r  # [B, m, a, c], [J, B, m]
 
 
+def _triton_routed(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    from capsctl.layers.backend.triton.ops import triton_routed
+
+    return triton_routed(x, w, p, scale)
+
+
 def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """One routed pass. ``x[J, B, a, x]``, ``w[J, x, m, c]``, ``p[B, m, a, c]``.
 
@@ -244,10 +252,10 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
         s, r = routed_pass_dense(x, w, p, scale)
         return s, r.detach()
     if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
-        from capsctl.layers.backend.triton.ops import triton_routed
-
-        s, r = triton_routed(x, w, p, scale)  # [B, m, a, c], [J, B, m] (not differentiable)
-        return s, r.to(x.dtype)
+        fused = run_fused("routed", functools.partial(_triton_routed, scale=scale), x, w, p)
+        if fused is not None:
+            s, r = fused  # [B, m, a, c], [J, B, m] (not differentiable)
+            return s, r.to(x.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
         s, r = ChunkedRoutedPass.apply(x, w, p, scale)
         return s, r

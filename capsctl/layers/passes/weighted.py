@@ -15,7 +15,7 @@ from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
@@ -126,6 +126,12 @@ def weighted_pass_dense(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
     return s.permute(0, 2, 1, 3)  # [B, m, a, c]
 
 
+def _triton_weighted(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
+    from capsctl.layers.backend.triton.ops import triton_weighted
+
+    return triton_weighted(x, w, r)
+
+
 def weighted_pass(x: Tensor, w: Tensor, r: Tensor, sites: int | None = None) -> Tensor:
     """The votes of ``x[J, B, a, x]`` under ``w[J, x, m, c]`` summed over the children with the
     coefficients ``r[J, B, m]``: ``S[B, m, a, c] = sum_J R V``, differentiable in all three, the
@@ -138,9 +144,9 @@ def weighted_pass(x: Tensor, w: Tensor, r: Tensor, sites: int | None = None) -> 
     if backend == "dense":
         return weighted_pass_dense(x, w, r)
     if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
-        from capsctl.layers.backend.triton.ops import triton_weighted
-
-        return triton_weighted(x, w, r)  # [B, m, a, c]
+        fused = run_fused("weighted", _triton_weighted, x, w, r)
+        if fused is not None:
+            return fused  # [B, m, a, c]
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or r.requires_grad):
         return ChunkedWeightedPass.apply(x, w, r, sites)
     with torch.no_grad():
