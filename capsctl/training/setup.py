@@ -92,6 +92,7 @@ class RunSetUp:
         seed_everything(t.seed, t.deterministic)
         self.data = prepare_data(self.preset, self.on_event)
         self._emit_data(self.data)
+        self._emit_routing()
         self._stop_if_asked(flag, resume)
         self._build_model()
         self._build_loader_and_recipe()
@@ -130,6 +131,16 @@ class RunSetUp:
             test_name=data.test_name,
             classes=len(data.classes),
         )
+
+    def _emit_routing(self) -> None:
+        """A capsule net's header line: which implementation runs its routing's passes on the
+        training device, and why no faster one does (a missing Triton, no C++ compiler)."""
+        if self.preset.model.arch != "capsnet":
+            return
+        from capsctl.layers.backend import dispatch
+
+        choice = dispatch.expected(self.device)
+        emit(self.on_event, "routing", backend=choice.backend, reason=choice.reason)
 
     def _build_model(self) -> None:
         t = self.t

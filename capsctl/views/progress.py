@@ -84,6 +84,8 @@ class TrainProgress:
                 f"data: {e['train']:,} train / {e['val']:,} val / {e['test']:,} test "
                 f"({e['test_name']})"
             )
+        elif kind == "routing" and not self.quiet:
+            self.progress.console.print(routing_line(e["backend"], e["reason"]), soft_wrap=True)
         elif kind == "resume" and not self.quiet:
             self.progress.console.print(f"resuming from {e['path']} after epoch {e['epoch']}")
             for c in e.get("changes") or []:
@@ -98,6 +100,21 @@ class TrainProgress:
             self.progress.update(self.task, completed=e["done"], total=e.get("total"))
         elif kind == "warning":
             self.progress.console.print(warning_line(str(e["message"])), soft_wrap=True)
+
+
+#: How each backend of capsctl/layers/backend/dispatch.py reads in the training header.
+ROUTING_WORDS = {
+    "native": "compiled CPU loops",
+    "triton": "fused Triton kernels",
+    "chunked": "torch code",
+    "dense": "one torch expression",
+}
+
+
+def routing_line(backend: str, reason: str) -> str:
+    """``routing: compiled CPU loops``, or the slower implementation and why."""
+    words = ROUTING_WORDS.get(backend, backend)
+    return f"routing: {words}" + (f" ({reason})" if reason else "")
 
 
 @contextmanager

@@ -50,6 +50,7 @@ __all__ = [
     "TRITON_ENV",
     "Choice",
     "choose",
+    "expected",
     "ran",
     "reset_ran",
     "run_fused",
@@ -186,31 +187,44 @@ def _chosen(choice: Choice) -> Choice:
 
 
 def choose(*tensors: Tensor) -> Choice:
-    """The backend of a pass over ``tensors`` (its inputs, as the pass will read them)."""
+    """The backend of a pass over ``tensors`` (its inputs, as the pass will read them), counted
+    in :func:`ran`."""
+    return _chosen(_decide(*tensors))
+
+
+def expected(device: torch.device | str) -> Choice:
+    """The backend a float32 pass on ``device`` runs outside any :func:`use` block, and why no
+    faster one does (for the training header and ``capsctl bench``); not counted in
+    :func:`ran`."""
+    return _decide(torch.empty(0, device=device))
+
+
+def _decide(*tensors: Tensor) -> Choice:
+    """The backend of a pass over ``tensors`` (see :func:`choose`)."""
     blocks = _blocks()
     if blocks.dense:
-        return _chosen(Choice("dense", 'inside use("dense") (export)'))
+        return Choice("dense", 'inside use("dense") (export)')
     sites = blocks.sites
     on_cpu = tensors[0].device.type == "cpu"
     why_not_triton = _triton_reason(tensors)
     if torch.compiler.is_compiling():
         if not why_not_triton and not blocks.chunked:
-            return _chosen(Choice("triton"))  # custom ops: compile keeps the fused pass
-        return _chosen(Choice("dense", "torch.compile or torch.export is tracing"))
+            return Choice("triton")  # custom ops: compile keeps the fused pass
+        return Choice("dense", "torch.compile or torch.export is tracing")
     if torch.jit.is_tracing():
-        return _chosen(Choice("chunked", "torch.jit is tracing", sites))
+        return Choice("chunked", "torch.jit is tracing", sites)
     if blocks.chunked:
-        return _chosen(Choice("chunked", 'inside use("chunked")', sites))
+        return Choice("chunked", 'inside use("chunked")', sites)
     if not why_not_triton:
-        return _chosen(Choice("triton"))
+        return Choice("triton")
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         reason = "the compiled loops take float32 tensors on a CPU only"
         if not on_cpu:
             reason = why_not_triton
-        return _chosen(Choice("chunked", reason, sites))
+        return Choice("chunked", reason, sites)
     if native.loaded() is None:
-        return _chosen(Choice("chunked", "the compiled loops are " + native.native_status(), sites))
-    return _chosen(Choice("native"))
+        return Choice("chunked", "the compiled loops are " + native.native_status(), sites)
+    return Choice("native")
 
 
 # (kernel, shapes, dtypes, device) -> why the fused pass failed there; its torch code runs

@@ -104,3 +104,34 @@ def test_tracing_is_seen_and_tracing_runs_no_compiled_loop() -> None:
     assert not dispatch.tracing()
     torch.jit.trace(f, torch.zeros(2), check_trace=False)
     assert seen == [(True, "chunked")]
+
+
+def test_expected_says_what_a_float32_pass_runs_and_is_not_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dispatch.reset_ran()
+    assert dispatch.expected("cpu") == dispatch.choose(torch.zeros(2))
+    assert dispatch.ran() == {dispatch.expected("cpu").backend: 1}  # choose's call only
+    monkeypatch.setattr(native, "loaded", lambda: None)
+    monkeypatch.setattr(native, "native_status", lambda: "off (a test)")
+    assert dispatch.expected("cpu") == dispatch.Choice(
+        "chunked", "the compiled loops are off (a test)"
+    )
+
+
+def test_the_training_header_says_how_the_routing_runs(
+    tmp_path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import run_cli
+    from tiny import tiny_args
+
+    monkeypatch.setattr(native, "loaded", lambda: None)
+    monkeypatch.setattr(native, "native_status", lambda: "off (a test)")
+    args = ["train", "--preset", "quickstart", *tiny_args(1), "--epochs", "1"]
+    code, _, err = run_cli(capsys, [*args, "--out", str(tmp_path / "caps")])
+    assert code == 0, err
+    assert "routing: torch code (the compiled loops are off (a test))" in err
+    cnn = [*args, "--set", "model.arch=cnn", "--out", str(tmp_path / "cnn")]
+    code, _, err = run_cli(capsys, cnn)
+    assert code == 0, err
+    assert "routing:" not in err  # no capsules, no routing line
