@@ -58,6 +58,31 @@ def _mps_available() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 natively: a CUDA device torch reports bf16 support for,
+    or a CPU with AVX-512 BF16 or AMX (oneDNN's bf16 support)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return False
+
+
+def resolve_amp(amp: bool | str, device: torch.device) -> tuple[bool, str]:
+    """``train.amp`` (``true``, ``false`` or ``auto``) on ``device``: whether training runs
+    under bf16 autocast, and why (for the line that starts training)."""
+    if amp is True:
+        return True, "bf16 autocast (train.amp: true)"
+    if amp is False:
+        return False, "float32 (train.amp: false)"
+    if native_bf16(device):
+        return True, f"bf16 autocast (train.amp: auto; the {device.type} has native bf16)"
+    return False, f"float32 (train.amp: auto; the {device.type} has no native bf16)"
+
+
 def autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextManager[Any]:
     """bf16 autocast on ``device`` when ``amp``, else nothing."""
     if not amp:

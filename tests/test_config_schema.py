@@ -109,7 +109,7 @@ def test_defaults_are_the_cifar_recipe() -> None:
         ("train.grad_clip=[1]", "train.grad_clip: expected a number or null, got [1]"),
         ("data.augment=3", "data.augment: expected a mapping, got 3"),
         ("data.dataset=5", "data.dataset: expected a string, got 5"),
-        ("train.amp=1", "train.amp: expected true or false, got 1"),
+        ("train.amp=1", "train.amp: expected true or false or 'auto', got 1"),
         ("train.epochs=2.5", "train.epochs: expected an integer, got 2.5"),
         # bool for int
         ("train.epochs=true", "train.epochs: expected an integer, got true"),

@@ -89,7 +89,15 @@ def train_cmd(
     deterministic: Annotated[
         bool, typer.Option("--deterministic", help="Deterministic algorithms.")
     ] = False,
-    amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
+    amp: Annotated[
+        bool | None,
+        typer.Option(
+            "--amp/--no-amp",
+            help="bf16 autocast on or off (default: the preset's train.amp; auto: bf16 where "
+            "the device computes it natively).",
+            show_default=False,
+        ),
+    ] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the model.")] = False,
     resume: Annotated[
         Path | None, typer.Option("--resume", help="Continue from a last.safetensors.")

@@ -62,7 +62,10 @@ def describe_type(tp: Any) -> str:
     """Human description of an annotation: ``a number``, ``one of 'sgd', 'adamw'``..."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        values = typing.get_args(tp)
+        if len(values) == 1:
+            return repr(values[0])
+        return "one of " + ", ".join(repr(a) for a in values)
     if _is_union(origin):
         args = typing.get_args(tp)
         text = " or ".join(describe_type(a) for a in args if a is not type(None))

@@ -160,7 +160,9 @@ class TrainConfig:
     final validation and test (capsctl/training/budget.py);
     ``steps_per_epoch`` caps the batches per epoch (smoke tests, quick runs);
     ``final_test: false`` ends the run without touching the test set (a learning-rate tuning
-    run, judged on its validation split: capsctl/suites/tuning.py).
+    run, judged on its validation split: capsctl/suites/tuning.py);
+    ``amp``: bf16 autocast (``true``), float32 (``false``), or bf16 where the device computes
+    it natively (``auto``: a CPU with AVX-512 BF16 or AMX, a GPU with bf16; capsctl/devices.py).
     """
 
     # Keys that older versions wrote and that are ignored when read: ``workers`` never had an
@@ -183,7 +185,7 @@ class TrainConfig:
     loss: Literal["auto", "cross_entropy", "bce", "margin", "spread"] = "auto"
     grad_clip: float | None = None
     ema_decay: float | None = None
-    amp: bool = False
+    amp: bool | Literal["auto"] = False
     channels_last: bool = False
     compile: bool = False
     seed: int = 0

@@ -31,7 +31,8 @@ def parse_duration(text: str, what: str = "duration") -> float:
 
 
 def flag_overrides(**flags: Any) -> list[str]:
-    """Command-line flags as ``--set`` overrides (None and False mean "not given").
+    """Command-line flags as ``--set`` overrides (None means "not given", and so does False,
+    except for ``amp``, where False is ``--no-amp``).
 
     Keys: ``epochs``, ``time_limit`` (a duration: ``1800``, ``90s``, ``30m``, ``1.5h``),
     ``batch_size``, ``lr``, ``device``, ``data_dir``, ``seed``, ``deterministic``, ``amp``,
@@ -55,11 +56,15 @@ def flag_overrides(**flags: Any) -> list[str]:
     out = []
     for key, path in paths.items():
         value = flags.get(key)
-        if value is None or value is False:
+        if value is None or (value is False and key != "amp"):
             continue
         if key == "time_limit":
             value = parse_duration(str(value), "--time-limit")
-        text = "true" if value is True else str(value)
+        text = (
+            {True: "true", False: "false"}.get(value, str(value))
+            if isinstance(value, bool)
+            else str(value)
+        )
         out.append(f"{path}={text}")
     return out
 

@@ -29,6 +29,7 @@ from capsctl.compile_cache import use_private_compile_cache
 from capsctl.config import Preset, dump_yaml, preset_to_dict
 from capsctl.data import Loader
 from capsctl.data.prepare import RunData, prepare_data
+from capsctl.devices import resolve_amp
 from capsctl.errors import CheckpointError, ConfigError
 from capsctl.events import EventFn, emit
 from capsctl.losses import eval_loss, make_loss
@@ -92,6 +93,8 @@ class RunSetUp:
         seed_everything(t.seed, t.deterministic)
         self.data = prepare_data(self.preset, self.on_event)
         self._emit_data(self.data)
+        self.amp, why = resolve_amp(t.amp, self.device)  # bf16 autocast, or float32
+        emit(self.on_event, "precision", amp=self.amp, reason=why)
         self._emit_routing()
         self._stop_if_asked(flag, resume)
         self._build_model()

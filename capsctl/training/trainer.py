@@ -184,7 +184,7 @@ class Trainer(RunSetUp, RunEnd):
         t, (x, y) = self.t, batch
         if t.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with autocast(self.device, t.amp):
+        with autocast(self.device, self.amp):
             logits = self.step_fn(x)
             progress = self.budget.progress(epoch * self.steps_per_epoch + step)
             loss = self.loss_fn(logits.float(), y, progress)
@@ -332,7 +332,7 @@ class Trainer(RunSetUp, RunEnd):
             std=data.std,
             classes=data.classes,
             split=split,
-            amp=self.t.amp,
+            amp=self.amp,
             loss=self.own_loss,
             flip=self.preset.data.augment.test_flip,
         )

@@ -84,6 +84,8 @@ class TrainProgress:
                 f"data: {e['train']:,} train / {e['val']:,} val / {e['test']:,} test "
                 f"({e['test_name']})"
             )
+        elif kind == "precision" and not self.quiet:
+            self.progress.console.print(f"precision: {e['reason']}", soft_wrap=True)
         elif kind == "routing" and not self.quiet:
             self.progress.console.print(routing_line(e["backend"], e["reason"]), soft_wrap=True)
         elif kind == "resume" and not self.quiet:
