@@ -22,7 +22,9 @@ files in DIR (gather the files of several commands in one folder first), ready f
 ``--dry-run --part all --out DIR`` runs every part on the CPU at toy sizes (batch 2, one timed
 step, fewer models in bench and compile, two training steps on a tiny synthetic CIFAR-10 folder
 unless ``--data-dir`` is given; torch.compile with the ``aot_eager`` backend, which captures the
-graph without generating C++), so CI keeps the script working where no GPU is.
+graph without generating C++), so CI keeps the script working where no GPU is; its check
+part also runs every fused Triton pass forward and backward at small shapes under Triton's
+interpreter against the torch code (``kernels`` in its JSON).
 
 Parts (``--part``, repeatable, or ``all``, the default). Each writes ``OUT/gpu-check-<part>.json``,
 rewritten atomically after every row (a command stopped at its limit leaves every finished
@@ -82,6 +84,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from the tree, as on the GPU machine (PYTHONPATH=.)
+
+if "--dry-run" in sys.argv[1:]:  # before Triton is imported: the dry run's kernels run on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from capsctl.threads import short_omp_spin  # noqa: E402
 
@@ -337,8 +342,88 @@ def check(run: Run) -> None:
                     row["error"] = _error(e)
             part.add(row)
             print(_check_line(row), flush=True)
+    if run.dry:
+        part.doc["kernels"] = interpreted_kernels()
     part.save(done=True)
     print("\n" + check_table(part.doc["rows"]), flush=True)
+
+
+#: The dry run's Triton check: each fused pass at small shapes, forward and backward, under
+#: Triton's interpreter against the torch code (float32 sums in another order: 1e-4 of the
+#: largest value).
+KERNEL_TOLERANCE = 1e-4
+
+
+def interpreted_kernels() -> list[dict[str, Any]]:
+    """Every fused Triton pass (routed, weighted, gated, EM's moments and quadratic form),
+    forward and backward at small shapes, inside ``dispatch.use("triton")`` (the interpreter,
+    on the CPU) and inside ``use("chunked")``: one row each with the backend that ran and the
+    largest difference relative to the torch code's largest value."""
+    print("\nkernels: each fused pass under Triton's interpreter vs the torch code")
+    rows = []
+    for name, make in _KERNEL_CASES.items():
+        row: dict[str, Any] = {"pass": name}
+        try:
+            inputs = make()
+            with _tally() as ran, dispatch.use("triton"):
+                fused = _pass_outputs(name, inputs)
+            with dispatch.use("chunked"):
+                torch_code = _pass_outputs(name, inputs)
+            worst = max(
+                float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                for a, b in zip(fused, torch_code, strict=True)
+            )
+            row.update(ran=_backend(ran), worst=worst, ok=worst <= KERNEL_TOLERANCE)
+        except Exception as e:  # recorded, the next pass goes on
+            row.update(error=_error(e), ok=False)
+        rows.append(row)
+        print(
+            f"  {name:<12}{row.get('ran', '-'):<10}{row.get('worst', float('nan')):.1e}  "
+            f"{'ok' if row['ok'] else 'FAIL ' + row.get('error', '')}",
+            flush=True,
+        )
+    return rows
+
+
+def _kernel_inputs(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
+
+
+# x[J, B, a, x], w[J, x, m, c], p[B, m, a, c], r[J, B, m] with J=5, B=3, a=x=c=4, m=3
+_KERNEL_CASES: dict[str, Callable[[], list[torch.Tensor]]] = {
+    "routed": lambda: _kernel_inputs((5, 3, 4, 4), (5, 4, 3, 4), (3, 3, 4, 4)),
+    "weighted": lambda: _kernel_inputs((5, 3, 4, 4), (5, 4, 3, 4), (5, 3, 3)),
+    "gated": lambda: _kernel_inputs((3, 5), (5, 3, 4, 4), (5, 4, 3, 4), (5, 16, 3), (5, 3)),
+    "em_moments": lambda: _kernel_inputs((3, 5, 3), (3, 5), (5, 3, 4, 4), (5, 4, 12), (3, 16, 3)),
+    "em_quad": lambda: _kernel_inputs((2, 3, 16, 3), (5, 3, 4, 4), (5, 4, 12), (3, 16, 3)),
+}
+
+
+def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The pass's outputs and the gradients of their sum, on the backend open in the block."""
+    from capsctl.layers.passes.em_moments import vote_moments, vote_quad
+    from capsctl.layers.passes.gated import gated_pass
+    from capsctl.layers.passes.routed import routed_pass
+    from capsctl.layers.passes.weighted import weighted_pass
+
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    if name == "routed":
+        outs = list(routed_pass(*leaves, 0.25))[:1]  # S (R is detached)
+    elif name == "weighted":
+        x, w, r = leaves
+        outs = [weighted_pass(x, w, r.softmax(-1))]
+    elif name == "gated":
+        act, x, w, wr, br = leaves
+        outs = [t for t in gated_pass(act.sigmoid(), x, w, wr, br)[:2]]
+    elif name == "em_moments":
+        r, act, x, wc, shift = leaves
+        outs = list(vote_moments(r.softmax(-1), act.sigmoid(), x, wc, shift))
+    else:
+        qp, x, wc, shift = leaves
+        outs = [vote_quad(qp, x, wc, shift)]
+    grads = torch.autograd.grad(sum(o.sum() for o in outs), leaves, allow_unused=True)
+    return [*(o.detach() for o in outs), *(g for g in grads if g is not None)]
 
 
 def _compare(model: Model, amp: bool, device: str, batch: int) -> dict[str, Any]:
