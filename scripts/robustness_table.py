@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from results_table import readme_main  # noqa: E402
 
+from capsctl.checkpoint.shipped import list_weights  # noqa: E402
+
 MEASURED = ROOT / "benchmarks" / "robustness"
 KINDS = ("attacks", "corruptions", "rotate", "translate", "attacks-cw", "affine")
 _BLOCK = re.compile(
@@ -265,12 +267,44 @@ def table(suite_folder: Path) -> str:
     )
     which = ", ".join(f"{c} ({', '.join(m)})" for c, m in commits.items())
     rel = suite_folder.relative_to(ROOT) if suite_folder.is_relative_to(ROOT) else suite_folder
+    note = weights_note(
+        suite_folder.name.removesuffix("-cpu"), [(m, s, res[(m, s)]) for m, s, _ in found]
+    )
     lines += [
+        "",
+        note,
         "",
         f"Accuracy in % on {'; '.join(datasets)}. Measured on {'; '.join(sorted(machines))}; "
         f"capsctl commits {which}; `{rel}/`.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def weights_note(suite: str, found: list[tuple[str, int, dict[str, Any]]]) -> str:
+    """Which weights the rows were measured on: shipped ones (a shipped name, or a file of
+    capsctl/weights/), which anyone can measure again, and run checkpoints that are not
+    shipped (saying where a shipped file of the member's name is another training of it)."""
+    names = {w.name for w in list_weights()}
+    shipped, unshipped = [], []
+    for member, seed, kinds in found:
+        ckpts = {str(r["checkpoint"]) for r in kinds.values() if r and r.get("checkpoint")}
+        own = {c for c in ckpts if c in names or "capsctl/weights/" in c}
+        label = f"{member} {seed}"
+        if own and own == ckpts:
+            shipped.append(f"{label} ({', '.join(sorted(Path(c).name for c in own))})")
+        elif f"{suite}.{member}" in names:
+            unshipped.append(f"{label} (shipped: {suite}.{member}, another training of it)")
+        else:
+            unshipped.append(label)
+    parts = []
+    if shipped:
+        parts.append(
+            f"Measured on shipped weights: {', '.join(shipped)}; `capsctl robustness NAME` "
+            "with the settings above measures them again."
+        )
+    if unshipped:
+        parts.append(f"Measured on run checkpoints that are not shipped: {', '.join(unshipped)}.")
+    return " ".join(parts)
 
 
 def render(text: str, root: Path | None = None) -> str:

@@ -222,3 +222,16 @@ def test_pictures_of_each_suite_with_a_label_per_checkpoint(tmp_path: Path) -> N
     with pytest.raises(Exception, match="exists"):
         script.pictures(out, root=suite.parent)  # never replaced unless told
     assert script.pictures(out, overwrite=True, root=suite.parent) == written
+
+
+def test_the_tables_say_which_weights_they_were_measured_on() -> None:
+    note = _script().weights_note
+    run = {"attacks": {"checkpoint": "/work/runs/c10/idpa/seed-1/best.safetensors"}}
+    shipped = {"attacks": {"checkpoint": "cifar10-fast.cnn"}, "rotate": None}
+    found = [("idpa", 1, run), ("resnet18", 0, run), ("cnn", 1, shipped)]
+    text = note("cifar10-fast", found)
+    assert text.startswith("Measured on shipped weights: cnn 1 (cifar10-fast.cnn);")
+    # idpa's shipped file is another training than the one measured; ResNet-18 ships none
+    assert text.endswith(
+        "not shipped: idpa 1 (shipped: cifar10-fast.idpa, another training of it), resnet18 0."
+    )
