@@ -267,3 +267,26 @@ def test_printed_commands_tune_first_then_train_at_the_choice(tmp_path: Path) ->
         _fake_tune_run(out, "idpa", lr, acc)
     (final,) = [line for line in pair_commands(suite, out) if "idpa/seed-0" in line]
     assert final.split().index("train.lr=0.001") > final.split().index(f"train.lr={OWN_LR}")
+
+
+def test_suite_run_tunes_an_untuned_member_first_by_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tune = """\
+    tune:
+      val_size: 64
+      epochs: 1
+      grid: [0.001, 0.004]
+      extend: 0
+    """
+    members = "members:\n  - name: idpa\n"
+    path = _suite_file(tmp_path, tune, members, [*TINY_SET, "train.steps_per_epoch=2"])
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, ["suite", "run", str(path), "--out", str(out)])
+    assert code == 0, err
+    for lr in (0.001, 0.004):
+        res = json.loads((out / tune_relpath("idpa", lr) / "results.json").read_text())
+        assert res["test"] is None and res["history"][-1]["val_accuracy"] is not None
+    chosen = chosen_lrs(load_suite(str(path)), [out])["idpa"]
+    final = load_preset(str(out / "idpa" / "seed-0" / "preset.yaml"))
+    assert final.train.lr == chosen and final.data.val_size == 0
