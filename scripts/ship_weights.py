@@ -91,9 +91,24 @@ def ship(
         "source": source.as_posix(),
     }
     rest = [w for w in known if w["name"] != name]
-    index = {"weights": [*rest, entry]}
+    index = {"weights": sorted([*rest, entry], key=lambda w: listing_order(w["name"]))}
     write_atomic(INDEX, (json.dumps(index, indent=2) + "\n").encode())
     return entry
+
+
+def listing_order(name: str) -> tuple[int, str, int, str]:
+    """Where ``<suite>.<member>`` goes in the index (what ``capsctl weights`` lists): the
+    quickstart first, then by suite, each suite's members in the suite file's order."""
+    from capsctl.errors import CapsctlError
+    from capsctl.suites import load_suite
+
+    suite, member = name.split(".", 1)
+    try:
+        members = [m.name for m in load_suite(suite).members]
+    except CapsctlError:  # not a bundled suite: after its members, by name
+        members = []
+    rank = members.index(member) if member in members else len(members)
+    return (0 if suite == "quickstart" else 1, suite, rank, member)
 
 
 def _half(src: Path, dst: Path) -> tuple[dict[str, Any], int]:

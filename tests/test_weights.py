@@ -139,3 +139,14 @@ def test_the_readmes_lines_on_the_shipped_samples_run_from_the_repository_root(
         cmd = [sys.executable, "-m", "capsctl", *expanded[1:]]
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, (line, res.stderr[-2000:])
+
+
+def test_the_index_lists_the_quickstart_then_each_suite_in_its_members_order() -> None:
+    from conftest import load_script
+
+    order = load_script("ship_weights").listing_order
+    assert order("quickstart.idpa") < order("cifar10-fast.idpa") < order("cifar10-fast.dynamic")
+    assert order("cifar10-fast.em") < order("cifar10-fast.self") < order("cifar10-fast.cnn")
+    assert order("cifar10-fast.cnn") < order("multimnist.caps") < order("multimnist.cnn")
+    names = [w.name for w in list_weights()]
+    assert names == sorted(names, key=order)
