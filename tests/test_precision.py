@@ -55,3 +55,15 @@ def test_the_line_that_starts_training_says_the_precision(
     code, _, err = run_cli(capsys, [*args, "--amp", "--out", str(tmp_path / "b")])
     assert code == 0, err
     assert "precision: bf16 autocast (train.amp: true)" in err
+
+
+@pytest.mark.parametrize(("flag", "amp"), [("--amp", True), ("--no-amp", False)])
+def test_bench_takes_trains_precision_flags(
+    capsys: pytest.CaptureFixture[str], flag: str, amp: bool
+) -> None:
+    import json
+
+    args = ["bench", "mnist-caps", "--batch-size", "2", "--iters", "1", "--warmup", "0"]
+    code, out, err = run_cli(capsys, [*args, flag, "--json"])
+    assert code == 0, err
+    assert [r["amp"] for r in json.loads(out)["rows"]] == [amp]

@@ -51,7 +51,10 @@ def bench_cmd(
         int | None,
         typer.Option(help="torch intra-op threads.", parser=Int("--threads", 1, MAX_COUNT)),
     ] = None,
-    amp: Annotated[bool, typer.Option("--amp", help="bf16 autocast.")] = False,
+    amp: Annotated[
+        bool,
+        typer.Option("--amp/--no-amp", help="bf16 autocast on or off (as train's flags)."),
+    ] = False,
     channels_last: Annotated[
         bool, typer.Option("--channels-last", help="channels_last memory format.")
     ] = False,
