@@ -87,6 +87,7 @@ INVOCATIONS: dict[str, Callable[[World], list[list[str]]]] = {
         ]  # fmt: skip
     ],
     "suite run": lambda w: [["suite", "run", str(w.suite_file)]],
+    "suite tune": lambda w: [["suite", "tune", str(w.suite_file)]],
     "suite report": lambda w: [["suite", "report", str(w.suite), "--no-score"]],
     "suite archive": lambda w: [["suite", "archive", str(w.suite)]],
 }
@@ -128,6 +129,7 @@ def test_the_output_options_are_found() -> None:
         ("robustness", "--png"),
         ("robustness", "--resume-file"),
         ("suite run", "--out"),
+        ("suite tune", "--out"),
         ("suite report", "--results"),
         ("suite report", "--png"),
         ("suite archive", "--to"),

@@ -221,7 +221,7 @@ def test_a_restored_record_counts_as_finished(tmp_path: Path) -> None:
     # its preset, marked as restored, is still the pair's own
     from capsctl.config import preset_to_dict
     from capsctl.config.yaml_io import to_yaml
-    from capsctl.suites.runner import Pair, check_folder_is_pair, resolved_pair_preset
+    from capsctl.suites.pairs import Pair, check_folder_is_pair, resolved_pair_preset
 
     pair = Pair(suite.member("caps"), 0, folder)
     preset = preset_to_dict(resolved_pair_preset(suite, pair))

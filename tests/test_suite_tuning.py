@@ -15,8 +15,8 @@ from test_suites import TINY_SET
 from capsctl.config import load_preset
 from capsctl.errors import ConfigError, UsageError
 from capsctl.suites import load_suite, pair_commands, plan_pairs
+from capsctl.suites.pairs import tune_relpath
 from capsctl.suites.results_file import read_results
-from capsctl.suites.runner import tune_relpath
 from capsctl.suites.tuning import chosen_lrs, member_tuning, tune_pairs, tuned_members
 
 # The suites' own learning rate (their ``set``): the grid is built around it.

@@ -426,10 +426,10 @@ def test_a_run_records_the_commit_it_started_with(
 ) -> None:
     """The checkout may move on while a run trains: its provenance names the commit of the code
     that started it, not the one checked out when it ended."""
-    from capsctl.suites import runner
+    from capsctl.suites import pair_run, runner
 
     checkout = {"commit": "started-here"}
-    monkeypatch.setattr(runner, "provenance", lambda: dict(checkout))
+    monkeypatch.setattr(pair_run, "provenance", lambda: dict(checkout))
 
     def moves_on(e: dict) -> None:  # a commit lands while the run trains
         if e["event"] == "step":

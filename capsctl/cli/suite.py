@@ -86,7 +86,7 @@ def run_cmd(
         else:
             print_plain("".join(line + "\n" for line in lines))
         return
-    from capsctl.suites.runner import check_suite, plan_pairs
+    from capsctl.suites.pairs import check_suite, plan_pairs
     from capsctl.suites.tuning import chosen_lrs
 
     lrs = chosen_lrs(spec, [out])
@@ -167,6 +167,11 @@ def tune_cmd(
     from capsctl.views.suite import SuiteProgress, print_tuning
 
     spec = load_suite(suite)
+    if not status:  # refuse an --out that is a file or in another run's folder, first
+        from capsctl.atomic import check_output
+        from capsctl.outputs import SUITE
+
+        check_output(out, kind=SUITE)
     members = tuned_members(spec, only or [])
     if status:
         result = TuneResult(spec.name, [member_tuning(spec, m, [out]) for m in members])

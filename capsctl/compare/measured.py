@@ -61,8 +61,8 @@ def suite_member_targets(spec: str) -> list[tuple[Target, dict[str, Any] | None]
     targets, each with its measured accuracy: from the run folder's finished runs, or from the
     suite's results file in the package (None where neither has the member)."""
     from capsctl.suites import load_suite, report_suite
+    from capsctl.suites.pairs import Pair, resolved_pair_preset
     from capsctl.suites.results_file import parse_row, result_rows
-    from capsctl.suites.runner import Pair, resolved_pair_preset
 
     folder = Path(spec).expanduser() if is_suite_folder(spec) else None
     suite = load_suite(folder / "suite.yaml" if folder is not None else spec)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from capsctl.errors import CapsctlError, UsageError
-from capsctl.suites.runner import (
+from capsctl.suites.pairs import (
     Pair,
     awaiting_tuning,
     check_suite,

@@ -27,8 +27,8 @@ from typing import Any
 
 from capsctl.atomic import fsync_dir, write_atomic
 from capsctl.errors import CapsctlError
+from capsctl.suites.pairs import Pair, check_folder_is_pair, missing_tests, plan_pairs
 from capsctl.suites.run_files import TESTS_FILE, check_run_files, is_finished, read_json
-from capsctl.suites.runner import Pair, check_folder_is_pair, missing_tests, plan_pairs
 from capsctl.suites.spec import Member, Suite
 from capsctl.suites.tuning import chosen_lrs, tune_finished, tune_pairs
 

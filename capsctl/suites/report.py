@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from capsctl.suites.claims import Difference, judge, paragraph
+from capsctl.suites.pairs import Pair, resolved_pair_preset
 from capsctl.suites.run_files import TESTS_FILE, epochs_trained, read_json
-from capsctl.suites.runner import Pair, resolved_pair_preset
 from capsctl.suites.spec import Member, Suite, lr_text
 
 __all__ = [
@@ -193,6 +193,41 @@ def _model_name(cfg: Any) -> str:
     return f"capsnet {cfg.backbone}, {router}"
 
 
+@dataclass
+class _MemberRuns:
+    """One member's finished runs as :func:`report_suite` gathers them, seed by seed."""
+
+    robust: dict[str, TestStat]
+    runs: list[dict[str, Any]] = field(default_factory=list)  # each {"tests": {name: ...}}
+    seeds: list[int] = field(default_factory=list)
+    lrs: list[float | None] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    epochs: list[float] = field(default_factory=list)
+    speeds: list[float] = field(default_factory=list)  # each run's mean images/s
+    shared: list[bool | None] = field(default_factory=list)
+    machines: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, seed: int, folder: Path, res: dict[str, Any], tests: dict[str, Any]) -> None:
+        """A finished run: its ``results.json`` (``res``) and test scores (``tests``)."""
+        self.runs.append(tests)
+        self.seeds.append(seed)
+        self.lrs.append(_run_lr(folder))
+        self.walls.append(float(res.get("seconds", 0.0)))
+        self.epochs.append(epochs_trained(res))
+        hist = [h.get("images_per_s") for h in res.get("history", [])]
+        hist = [float(h) for h in hist if isinstance(h, (int, float))]
+        if hist:
+            self.speeds.append(statistics.fmean(hist))
+        self.shared.append(shared_machine(res.get("history") or []))
+        self.machines += read_json(folder / "provenance.json").get("trained_by") or []
+
+    def add_robustness(self, summary: dict[str, Any]) -> None:
+        for key, stat in self.robust.items():
+            if summary.get(key) is not None:
+                stat.values.append(float(summary[key]))
+                stat.images = summary.get("count")
+
+
 def report_suite(
     suite: Suite,
     out: Path | Sequence[Path],
@@ -218,9 +253,7 @@ def report_suite(
     chosen = {t["member"]: t["chosen"] for t in tuning}
     rows, notes = [], []
     for member in suite.members:
-        runs, done, lrs = [], [], []
-        walls, epochs, speeds, machines, shared = [], [], [], [], []
-        robust: dict[str, TestStat] = {k: TestStat(k, []) for k in ROBUST_METRICS}
+        got = _MemberRuns(robust={k: TestStat(k, []) for k in ROBUST_METRICS})
         for seed in suite.seeds_of(member):
             folder = pick_pair_folder(suite, member, seed, roots)
             if folder is None:
@@ -231,47 +264,34 @@ def report_suite(
                 score_or_note(
                     suite, folder, label, score, notes, data_dir=data_dir, on_event=on_event
                 )
-                runs.append(read_json(folder / TESTS_FILE))
+                got.add(seed, folder, res, read_json(folder / TESTS_FILE))
             else:
-                runs.append({"tests": {"test": res["test"]}})
-            done.append(seed)
-            lrs.append(_run_lr(folder))
-            walls.append(float(res.get("seconds", 0.0)))
-            epochs.append(epochs_trained(res))
-            hist = [h.get("images_per_s") for h in res.get("history", [])]
-            hist = [float(h) for h in hist if isinstance(h, (int, float))]
-            if hist:
-                speeds.append(statistics.fmean(hist))
-            shared.append(shared_machine(res.get("history") or []))
-            machines += read_json(folder / "provenance.json").get("trained_by") or []
+                got.add(seed, folder, res, {"tests": {"test": res["test"]}})
             if robustness is not None:
                 summary = robustness_or_note(folder, label, robustness, notes, data_dir, on_event)
-                for key, stat in robust.items():
-                    if summary.get(key) is not None:
-                        stat.values.append(float(summary[key]))
-                        stat.images = summary.get("count")
+                got.add_robustness(summary)
         name, params, gflops = _static(suite, member, roots[0] / member.name)
         rows.append(
             MemberRow(
                 member=member.name,
                 model=name,
                 seeds_planned=list(suite.seeds_of(member)),
-                seeds_done=done,
-                tests=aggregate(runs, tests),
+                seeds_done=got.seeds,
+                tests=aggregate(got.runs, tests),
                 params=params,
                 gflops=gflops,
-                epochs=_mean(epochs),
-                wall_s=_mean(walls),
-                wall_s_total=sum(walls) if walls else None,
-                train_images_per_s=_mean(speeds),
+                epochs=_mean(got.epochs),
+                wall_s=_mean(got.walls),
+                wall_s_total=sum(got.walls) if got.walls else None,
+                train_images_per_s=_mean(got.speeds),
                 budget=member.budget,
-                lr=" ".join(sorted({lr_text(x) for x in lrs if x is not None})) or None,
-                lr_chosen_on=_chosen_on(suite, member, lrs, chosen),
-                shared_runs=_count_shared(shared),
+                lr=" ".join(sorted({lr_text(x) for x in got.lrs if x is not None})) or None,
+                lr_chosen_on=_chosen_on(suite, member, got.lrs, chosen),
+                shared_runs=_count_shared(got.shared),
                 published=None if member.published is None else asdict(member.published),
                 note=member.note,
-                machine=_machine(machines),
-                robustness=robust if robustness is not None else None,
+                machine=_machine(got.machines),
+                robustness=got.robust if robustness is not None else None,
             )
         )
     claims = judge_claims(suite, rows, tests)

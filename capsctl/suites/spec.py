@@ -48,6 +48,8 @@ from typing import Any, Literal
 
 from capsctl.errors import ConfigError, UsageError
 from capsctl.suites.claims import Claim, parse_claims
+from capsctl.suites.fields import check_keys, shown
+from capsctl.suites.tune_spec import Tune, Tuned, lr_text, parse_tune, parse_tuned, tune_dict
 
 __all__ = [
     "CONTROL_CHARS",
@@ -79,32 +81,6 @@ class Published:
     top1: str
     source: str
     setting: str = ""
-
-
-@dataclass(frozen=True)
-class Tune:
-    """A suite's ``tune:`` block: each tuned member trains one run of ``epochs`` epochs (seed
-    ``seed``) on the training set less ``val_size`` held-out images, for each learning rate of
-    its grid, and keeps the one with the best final validation accuracy. The grid is ``grid``
-    when given, else the member's own learning rate times each of ``factors``; while the best
-    lies on an edge, the grid grows past it by ``step`` (at most ``extend`` times)."""
-
-    val_size: int
-    epochs: int
-    seed: int = 0
-    factors: tuple[float, ...] = (0.5, 1.0, 2.0)
-    grid: tuple[float, ...] = ()
-    extend: int = 2
-    step: float = 2.0
-
-
-@dataclass(frozen=True)
-class Tuned:
-    """A member's learning rate as chosen on the validation split, and the grid it was chosen
-    from (written into the suite file from ``capsctl suite tune``)."""
-
-    lr: float
-    grid: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -189,7 +165,7 @@ class Suite:
             "tests": list(self.tests),
             "results": self.results,
             "claims": [asdict(c) for c in self.claims],
-            "tune": None if self.tune is None else _tune_dict(self.tune),
+            "tune": None if self.tune is None else tune_dict(self.tune),
             "members": [
                 {
                     "name": m.name,
@@ -212,17 +188,6 @@ class Suite:
                 for m in self.members
             ],
         }
-
-
-def lr_text(lr: float) -> str:
-    """A learning rate as written in overrides and folder names (6 significant digits)."""
-    return f"{lr:.6g}"
-
-
-def _tune_dict(t: Tune) -> dict[str, Any]:
-    d = asdict(t)
-    d["factors"], d["grid"] = list(t.factors), list(t.grid)
-    return d
 
 
 def suite_dirs() -> list[Path]:
@@ -276,18 +241,12 @@ def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
     return suite_from_dict(raw, str(path), default_name=path.stem)
 
 
-def _shown(value: Any) -> str:
-    """``value`` as a short one-line repr for an error message."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _line(value: str, where: str) -> str:
     """``value`` when it is one line of text; ConfigError naming ``where`` otherwise (a line
     break would end a printed command, an escape sequence would drive the terminal)."""
     if CONTROL_CHARS.search(value):
         raise ConfigError(
-            f"{where}: {_shown(value)} holds a line break or control character; write it as one "
+            f"{where}: {shown(value)} holds a line break or control character; write it as one "
             "line of plain text"
         )
     return value
@@ -321,15 +280,7 @@ def _seeds(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_keys(data: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    unknown = sorted(str(k) for k in data if k not in allowed)
-    if unknown:
-        field = unknown[0] if _PLAIN_NAME.fullmatch(unknown[0]) else _shown(unknown[0])
-        raise ConfigError(f"{where}.{field}: unknown field; expected one of {', '.join(allowed)}")
-
-
 _MEMBER_KEYS = ("name", "set", "seeds", "budget", "published", "note", "tune", "tuned")
-_TUNE_KEYS = ("val_size", "epochs", "seed", "factors", "grid", "extend", "step")
 _SUITE_KEYS = (
     "name",
     "description",
@@ -347,7 +298,7 @@ _SUITE_KEYS = (
 def _plain_name(name: Any, where: str) -> str:
     if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name):
         raise ConfigError(
-            f"{where}: {_shown(name)} is not a plain name; use letters, digits, '.', '_' and '-', "
+            f"{where}: {shown(name)} is not a plain name; use letters, digits, '.', '_' and '-', "
             "not starting with '.' (it names folders and is printed in commands)"
         )
     return name
@@ -361,7 +312,7 @@ def _member(data: Any, index: int) -> Member:
         raise ConfigError(f"{where}: must be a mapping with a name")
     name = _plain_name(data.get("name"), f"{where}.name")
     where = f"{where} ({name})"  # every later error names the member
-    _check_keys(data, _MEMBER_KEYS, where)
+    check_keys(data, _MEMBER_KEYS, where)
     budget = data.get("budget", "epochs")
     if budget not in ("epochs", "matched"):
         raise ConfigError(f"{where}.budget: {budget!r}; use epochs or matched")
@@ -370,7 +321,7 @@ def _member(data: Any, index: int) -> Member:
     if pub is not None:
         if not isinstance(pub, Mapping) or "top1" not in pub or "source" not in pub:
             raise ConfigError(f"{where}.published: needs top1 and source")
-        _check_keys(pub, ("top1", "source", "setting"), f"{where}.published")
+        check_keys(pub, ("top1", "source", "setting"), f"{where}.published")
         fields = ("top1", "source", "setting")
         published = Published(
             **{k: _prose(pub.get(k, ""), f"{where}.published.{k}") for k in fields}
@@ -378,7 +329,7 @@ def _member(data: Any, index: int) -> Member:
     seeds = data.get("seeds")
     tune = data.get("tune", True)
     if not isinstance(tune, bool):
-        raise ConfigError(f"{where}.tune: {_shown(tune)}; use true or false")
+        raise ConfigError(f"{where}.tune: {shown(tune)}; use true or false")
     return Member(
         name=name,
         set=_strings(data.get("set"), f"{where}.set"),
@@ -387,71 +338,7 @@ def _member(data: Any, index: int) -> Member:
         published=published,
         note=_prose(data.get("note", ""), f"{where}.note"),
         tune=tune,
-        tuned=_tuned(data.get("tuned"), f"{where}.tuned"),
-    )
-
-
-def _number(value: Any, where: str, *, positive: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{where}: {_shown(value)} is not a number")
-    if positive and not 0 < value < float("inf"):
-        raise ConfigError(f"{where}: {_shown(value)} must be a positive number")
-    return float(value)
-
-
-def _numbers(value: Any, where: str) -> tuple[float, ...]:
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise ConfigError(f"{where}: must be a list of positive numbers")
-    out = tuple(_number(v, f"{where}[{i}]") for i, v in enumerate(value))
-    if len(set(out)) != len(out):
-        raise ConfigError(f"{where}: lists a value twice")
-    return tuple(sorted(out))
-
-
-def _count(value: Any, where: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{where}: {_shown(value)}; use a whole number >= {least}")
-    return value
-
-
-def _tuned(value: Any, where: str) -> Tuned | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping) or "lr" not in value or "grid" not in value:
-        raise ConfigError(f"{where}: needs lr and grid (capsctl suite tune prints them)")
-    _check_keys(value, ("lr", "grid"), where)
-    lr, grid = _number(value["lr"], f"{where}.lr"), _numbers(value["grid"], f"{where}.grid")
-    if lr not in grid:
-        raise ConfigError(f"{where}.lr: {lr_text(lr)} is not in its grid {list(grid)}")
-    return Tuned(lr, grid)
-
-
-def _tune(value: Any) -> Tune | None:
-    """The suite's ``tune:`` block; ConfigError naming the field."""
-    if value is None:
-        return None
-    where = "suite.tune"
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: must be a mapping (val_size, epochs, factors or grid)")
-    _check_keys(value, _TUNE_KEYS, where)
-    for key in ("val_size", "epochs"):
-        if key not in value:
-            raise ConfigError(f"{where}.{key}: missing; see capsctl suite tune --help")
-    factors = _numbers(value.get("factors", [0.5, 1, 2]), f"{where}.factors")
-    grid = _numbers(value.get("grid", []), f"{where}.grid")
-    if not (grid or factors):
-        raise ConfigError(f"{where}: give factors or a grid of learning rates")
-    step = _number(value.get("step", 2.0), f"{where}.step")
-    if step <= 1:
-        raise ConfigError(f"{where}.step: {_shown(step)} must be above 1")
-    return Tune(
-        val_size=_count(value["val_size"], f"{where}.val_size", 1),
-        epochs=_count(value["epochs"], f"{where}.epochs", 1),
-        seed=_count(value.get("seed", 0), f"{where}.seed", 0),
-        factors=factors,
-        grid=grid,
-        extend=_count(value.get("extend", 2), f"{where}.extend", 0),
-        step=step,
+        tuned=parse_tuned(data.get("tuned"), f"{where}.tuned"),
     )
 
 
@@ -459,7 +346,7 @@ def suite_from_dict(raw: Any, source: str, default_name: str = "") -> Suite:
     """A :class:`Suite` from a parsed mapping; ConfigError naming the bad field."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"suite {source}: must be a mapping (name, recipe, seeds, members)")
-    _check_keys(raw, _SUITE_KEYS, "suite")
+    check_keys(raw, _SUITE_KEYS, "suite")
     recipe = raw.get("recipe")
     if not isinstance(recipe, str) or not recipe:
         raise ConfigError("suite.recipe: must name a preset (see capsctl presets)")
@@ -474,7 +361,7 @@ def suite_from_dict(raw: Any, source: str, default_name: str = "") -> Suite:
         raise ConfigError(f"suite.members: {dup!r} is listed twice")
     if all(m.budget == "matched" for m in members):
         raise ConfigError("suite.members: a matched budget needs at least one epochs member")
-    tune = _tune(raw.get("tune"))
+    tune = parse_tune(raw.get("tune"))
     stray = next((m for m in members if m.tuned is not None and tune is None), None)
     if stray is not None:
         raise ConfigError(

@@ -27,8 +27,8 @@ from typing import Any
 
 from capsctl.errors import CapsctlError, UsageError
 from capsctl.events import EventFn, emit
+from capsctl.suites.pairs import Pair, check_folder_is_pair, tune_relpath
 from capsctl.suites.run_files import read_json
-from capsctl.suites.runner import Pair, check_folder_is_pair, tune_relpath
 from capsctl.suites.spec import Member, Suite, lr_text
 
 __all__ = [
@@ -259,7 +259,7 @@ def tune_suite(
     """Train every member's grid (and its extensions) into ``out/tune``; see the module
     docstring. Members whose choice the suite file records are tuned again only when named in
     ``only``, so that a recorded choice can be checked."""
-    from capsctl.suites.runner import _train_pair
+    from capsctl.suites.pair_run import train_pair
     from capsctl.training.ownership import FolderBusy
 
     members = tuned_members(suite, only)
@@ -285,7 +285,7 @@ def tune_suite(
                 folder=str(pair.folder),
             )
             try:
-                _train_pair(suite, pair, partial, None, on_event, handle_sigint, data_dir)
+                train_pair(suite, pair, partial, None, on_event, handle_sigint, data_dir)
             except FolderBusy:
                 emit(on_event, "suite_pair_busy", member=member.name, seed=pair.seed)
                 break

@@ -91,25 +91,8 @@ def print_suite_report(doc: dict[str, Any]) -> None:
         cols += [f"{ROBUST_METRICS[k]} %" for k in robust]
     body, notes = [], []
     for r in doc["rows"]:
-        cells = [r["member"]]
-        for test in doc["tests"]:
-            t = r["tests"][test]
-            se = f" ({_pct(t['top1_se'])})" if t["top1_se"] is not None else ""
-            cells.append(_acc_cell(t) + se)
-        cells.append(f"{len(r['seeds_done'])}/{len(r['seeds_planned'])}")
-        cells.append(f"{r['params']:,}" if r["params"] is not None else "-")
-        cells.append(f"{r['gflops']:.3f}" if r["gflops"] is not None else "-")
-        cells.append(f"{r['epochs']:.1f}" if r["epochs"] is not None else "-")
-        tuned = {"val": "v", "recipe": ""}.get(r.get("lr_chosen_on") or "", "?")
-        cells.append(f"{r['lr']}{tuned}" if r.get("lr") else "-")
-        cells.append(f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-")
-        speed = r["train_images_per_s"]
-        cells.append(f"{speed:.0f}" if speed is not None else "-")
+        body.append(_report_cells(doc, r, list(robust or {})))
         pub = r.get("published")
-        cells.append(_published(pub["top1"]) + "*" if pub else "-")
-        for key in robust or {}:
-            cells.append(_acc_cell((r.get("robustness") or {}).get(key) or {"top1_mean": None}))
-        body.append(cells)
         if r.get("budget") == "matched":
             notes.append(f"{r['member']}: stopped at the other members' median wall time")
         if pub:
@@ -126,6 +109,12 @@ def print_suite_report(doc: dict[str, Any]) -> None:
             err.print(Text(f"{test}: {n:,} test images"))
     for line in notes:
         err.print(Text(line))
+    _print_footnotes(doc, robust)
+
+
+def _print_footnotes(doc: dict[str, Any], robust: dict[str, Any] | None) -> None:
+    """Under the report's table: the robustness settings, shared runs, machine time, what the
+    spreads are."""
     if robust:
         n = next((v["images"] for v in robust.values() if v.get("images")), None)
         err.print(
@@ -152,6 +141,29 @@ def print_suite_report(doc: dict[str, Any]) -> None:
             "the test set alone is test_se in --json"
         )
     )
+
+
+def _report_cells(doc: dict[str, Any], r: dict[str, Any], robust: list[str]) -> list[str]:
+    """One member's row of the report's table."""
+    cells = [r["member"]]
+    for test in doc["tests"]:
+        t = r["tests"][test]
+        se = f" ({_pct(t['top1_se'])})" if t["top1_se"] is not None else ""
+        cells.append(_acc_cell(t) + se)
+    cells.append(f"{len(r['seeds_done'])}/{len(r['seeds_planned'])}")
+    cells.append(f"{r['params']:,}" if r["params"] is not None else "-")
+    cells.append(f"{r['gflops']:.3f}" if r["gflops"] is not None else "-")
+    cells.append(f"{r['epochs']:.1f}" if r["epochs"] is not None else "-")
+    tuned = {"val": "v", "recipe": ""}.get(r.get("lr_chosen_on") or "", "?")
+    cells.append(f"{r['lr']}{tuned}" if r.get("lr") else "-")
+    cells.append(f"{r['wall_s']:.0f}" if r["wall_s"] is not None else "-")
+    speed = r["train_images_per_s"]
+    cells.append(f"{speed:.0f}" if speed is not None else "-")
+    pub = r.get("published")
+    cells.append(_published(pub["top1"]) + "*" if pub else "-")
+    for key in robust:
+        cells.append(_acc_cell((r.get("robustness") or {}).get(key) or {"top1_mean": None}))
+    return cells
 
 
 def _print_tuning_summary(doc: dict[str, Any]) -> None:
