@@ -402,10 +402,7 @@ _KERNEL_CASES: dict[str, Callable[[], list[torch.Tensor]]] = {
 
 def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The pass's outputs and the gradients of their sum, on the backend open in the block."""
-    from capsctl.layers.passes.em_moments import vote_moments, vote_quad
-    from capsctl.layers.passes.gated import gated_pass
-    from capsctl.layers.passes.routed import routed_pass
-    from capsctl.layers.passes.weighted import weighted_pass
+    from capsctl.layers import gated_pass, routed_pass, vote_moments, vote_quad, weighted_pass
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     if name == "routed":

@@ -17,7 +17,9 @@ Exported here: the routing-algorithm interface and registry, the capsule layers,
 read-outs a model shares (:class:`PerClassHead`), the channels-last copy of a batch
 (:func:`images_channels_last`), :mod:`dispatch` (``dispatch.use("dense")`` for export),
 :func:`native_status` / :func:`native_summary` (the compiled loops), :mod:`chunks` (chunk sizes
-and threads) and :func:`routing_flop_tally` (FLOP counts).
+and threads), :func:`routing_flop_tally` (FLOP counts), and the vote-sized passes on the
+backend dispatch chooses (:func:`routed_pass`, :func:`weighted_pass`, :func:`gated_pass`,
+:func:`vote_moments`, :func:`vote_quad`).
 """
 
 from __future__ import annotations
@@ -41,8 +43,12 @@ from capsctl.layers.capsules import (
     PrimaryCapsules,
     PrimaryCapsulesWithActivations,
 )
+from capsctl.layers.passes.em_moments import vote_moments, vote_quad
 from capsctl.layers.passes.flops import routing_flop_tally
+from capsctl.layers.passes.gated import gated_pass
 from capsctl.layers.passes.layout import images_channels_last
+from capsctl.layers.passes.routed import routed_pass
+from capsctl.layers.passes.weighted import weighted_pass
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routers import ROUTERS, get_router, list_routers, make_router
 from capsctl.layers.routers.idpa import PerClassHead
@@ -66,6 +72,7 @@ __all__ = [
     "chunks",
     "dispatch",
     "get_router",
+    "gated_pass",
     "gpu_aot",
     "images_channels_last",
     "list_routers",
@@ -73,5 +80,9 @@ __all__ = [
     "native_status",
     "native_summary",
     "pose_shape",
+    "routed_pass",
     "routing_flop_tally",
+    "vote_moments",
+    "vote_quad",
+    "weighted_pass",
 ]

@@ -25,30 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from capsctl.layers.backend import dispatch
 from capsctl.layers.passes.layout import permute_rows, to_channels_last, window_copy
 from capsctl.layers.passes.pose_norm import pose_layer_norm
-from capsctl.layers.passes.routed import routed_pass
+from capsctl.layers.passes.routed import routed_pass_under_autocast
 from capsctl.layers.passes.rows_first import layout_layer_norm, to_rows, to_standard
 from capsctl.layers.poses import PoseKind, pose_shape
-
-
-def routed_pass_under_autocast(
-    x: Tensor, w: Tensor, p: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    """:func:`~capsctl.layers.passes.routed.routed_pass`, also under autocast: where the fused
-    Triton kernels run it, in autocast's 16-bit dtype end to end (the kernels accumulate every
-    sum and the softmax in float32 and round only the results); elsewhere in float32 (the
-    compiled CPU loops and the torch code keep their buffers and softmax in float32)."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return routed_pass(x, w, p, scale)
-    low = torch.get_autocast_dtype(device)
-    cast = (x.to(low), w.to(low), p.to(low))
-    with torch.autocast(device_type=device, enabled=False):
-        if dispatch.takes_triton(*cast):
-            return routed_pass(*cast, scale)
-        return routed_pass(x.float(), w.float(), p.float(), scale)
 
 
 class PrimaryCapsules(nn.Module):

@@ -140,7 +140,7 @@ class RunSetUp:
         training device, and why no faster one does (a missing Triton, no C++ compiler)."""
         if self.preset.model.arch != "capsnet":
             return
-        from capsctl.layers.backend import dispatch
+        from capsctl.layers import dispatch
 
         choice = dispatch.expected(self.device)
         emit(self.on_event, "routing", backend=choice.backend, reason=choice.reason)

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans
-from capsctl.layers.backend.dispatch import choose, run_fused
+from capsctl.layers.backend.dispatch import choose, run_fused, takes_triton
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
@@ -261,3 +261,21 @@ def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, 
         return s, r
     with torch.no_grad():
         return _chunked_forward(x, w, p, scale)
+
+
+def routed_pass_under_autocast(
+    x: Tensor, w: Tensor, p: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`~capsctl.layers.passes.routed.routed_pass`, also under autocast: where the fused
+    Triton kernels run it, in autocast's 16-bit dtype end to end (the kernels accumulate every
+    sum and the softmax in float32 and round only the results); elsewhere in float32 (the
+    compiled CPU loops and the torch code keep their buffers and softmax in float32)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return routed_pass(x, w, p, scale)
+    low = torch.get_autocast_dtype(device)
+    cast = (x.to(low), w.to(low), p.to(low))
+    with torch.autocast(device_type=device, enabled=False):
+        if takes_triton(*cast):
+            return routed_pass(*cast, scale)
+        return routed_pass(x.float(), w.float(), p.float(), scale)

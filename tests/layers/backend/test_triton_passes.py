@@ -394,7 +394,7 @@ BF16_TOLERANCE = 3e-2
 
 def test_bf16_reaches_the_kernels_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     from capsctl.layers.backend.triton import ops
-    from capsctl.layers.capsules import routed_pass_under_autocast
+    from capsctl.layers.passes.routed import routed_pass_under_autocast
 
     seen: list[torch.dtype] = []
     real = ops.triton_routed
