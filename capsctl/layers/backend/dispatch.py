@@ -240,7 +240,7 @@ def run_fused(kernel: str, call: Callable[..., Any], *inputs: Tensor) -> Any | N
     reason: the caller then runs its torch code, now and at these shapes from then on. Where
     an input needs its gradient, the pass's backward runs once at each new set of shapes
     first, so that a backward kernel's failure falls back too. Under ``torch.compile`` errors
-    propagate (the compiled graph holds the custom op)."""
+    propagate (the compiled graph holds the custom op), and so does running out of memory."""
     if torch.compiler.is_compiling():
         return call(*inputs)
     key = (
@@ -257,6 +257,8 @@ def run_fused(kernel: str, call: Callable[..., Any], *inputs: Tensor) -> Any | N
             _backward_once(call, inputs)
             _FUSED_PROVEN.add(key)
         return call(*inputs)
+    except torch.OutOfMemoryError:
+        raise  # the torch code needs more memory, not less: no fall back
     except Exception as e:  # noqa: BLE001 - any failure of the kernel: the torch code runs
         shapes = " ".join("x".join(map(str, t.shape)) for t in inputs)
         lines = str(e).strip().splitlines() or [""]

@@ -133,3 +133,11 @@ def test_a_kernel_module_that_fails_to_import_falls_back(
     # self-routing's torch code runs its weighted pass, whose kernel fails to import as well
     passes = [m.split(" pass ")[0].split()[-1] for m in messages]
     assert passes == ["routed", "gated", "weighted", "em_moments"]
+
+
+def test_running_out_of_memory_is_not_a_kernel_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the torch code would need more memory, not less: the error reaches the caller
+    monkeypatch.setattr(kernels, "pass_forward", _Failing(torch.OutOfMemoryError("out of memory")))
+    with pytest.raises(torch.OutOfMemoryError), dispatch.use("triton"):
+        routed_pass(*_routed_inputs(), 0.25)
+    assert dispatch._FUSED_FAILED == {}
