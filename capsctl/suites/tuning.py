@@ -152,7 +152,7 @@ def tune_finished(results: dict[str, Any]) -> bool:
     )
 
 
-def _run(suite: Suite, member: Member, lr: float, roots: Sequence[Path]) -> TuneRun:
+def _run(member: Member, lr: float, roots: Sequence[Path]) -> TuneRun:
     """The grid point ``lr`` of ``member`` as found in ``roots`` (the first root holding it
     finished, else the first root's folder)."""
     folders = [root / tune_relpath(member.name, lr) for root in roots]
@@ -185,7 +185,7 @@ def member_tuning(suite: Suite, member: Member, roots: Sequence[Path]) -> Member
     own = own_lr(suite, member)
     state = MemberTuning(member.name, own)
     grid = _initial_grid(suite, own)
-    state.runs = [_run(suite, member, lr, roots) for lr in grid]
+    state.runs = [_run(member, lr, roots) for lr in grid]
     while True:  # each turn trains nothing or adds one grid point, at most tune.extend of them
         state.todo = [r.lr for r in state.runs if not r.finished]
         if state.todo:
@@ -202,7 +202,7 @@ def member_tuning(suite: Suite, member: Member, roots: Sequence[Path]) -> Member
             return state
         step = suite.tune.step
         nxt = float(lr_text(best.lr / step if low else best.lr * step))
-        state.runs.append(_run(suite, member, nxt, roots))
+        state.runs.append(_run(member, nxt, roots))
 
 
 def chosen_lrs(suite: Suite, roots: Sequence[Path]) -> dict[str, float]:
