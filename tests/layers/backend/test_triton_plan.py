@@ -16,11 +16,12 @@ from capsctl.layers.backend.triton.plan import (
 
 # (J children, B sites, m parents, a x c parent poses, x child pose width): the class layer of
 # cifar10-caps (4x4 matrices), a convolutional capsule layer, dynamic routing's 8 -> 16-wide
-# vectors, and a single-site odd shape.
+# vectors, its conv layer's 16-wide poses, and a single-site odd shape.
 SHAPES = [
     (32 * 16, 128, 10, 4, 4, 4),
     (32 * 9, 128 * 36, 32, 4, 4, 4),
     (1152, 128, 10, 1, 16, 8),
+    (288, 128 * 49, 32, 1, 16, 16),
     (7, 1, 3, 3, 5, 6),
     (8, 4, 1, 1, 4, 4),
 ]
@@ -46,6 +47,15 @@ def test_plans_fit_the_mma_and_the_register_budget(
     # already more than the widest block holds
     tile = p.block * p.ap * p.mp * p.cp
     assert tile <= TILE_PER_THREAD * 32 * p.warps or p.block == 1
+    # so do one child's weights [KP, MP*CP] (16-bit ones count half), up to the widest block
+    weights = p.kp * p.mp * p.cp * itemsize // 4
+    assert weights <= TILE_PER_THREAD * 32 * p.warps or p.warps == 16
+    # the input gradient sums over blocks of parents that split the padded m, each block's
+    # weights [MB*CP, KP] and tile within the budget of its warps
+    assert p.mp % p.x_parents == 0
+    room = TILE_PER_THREAD * 32 * p.x_warps
+    assert p.x_parents * p.cp * p.kp * itemsize // 4 <= room or p.x_parents == 1
+    assert p.block * p.ap * p.x_parents * p.cp <= room or p.x_parents == 1
     # the grids cover every child and every site, with no empty span
     assert p.span * p.spans >= j and p.span * (p.spans - 1) < j
     blocks, spans = p.grid(bsz)

@@ -79,7 +79,7 @@ __all__ = [
 
 #: The JIT kernels a launch can name, by module of capsctl/layers/backend/triton/.
 KERNEL_NAMES = {
-    "kernels": ("pass_forward", "pass_backward", "pass_weight_grad"),
+    "kernels": ("pass_forward", "pass_backward", "pass_input_grad", "pass_weight_grad"),
     "gated": ("gated_forward", "gated_backward"),
     "em": ("em_forward", "em_backward"),
 }

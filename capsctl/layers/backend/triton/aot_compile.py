@@ -152,6 +152,7 @@ def _kernel(name: str) -> Any:
 
     table = {"pass_forward": kernels.pass_forward, "pass_backward": kernels.pass_backward}
     table |= {"pass_weight_grad": kernels.pass_weight_grad}
+    table |= {"pass_input_grad": kernels.pass_input_grad}
     table |= {"gated_forward": gated.gated_forward, "gated_backward": gated.gated_backward}
     table |= {"em_forward": em.em_forward, "em_backward": em.em_backward}
     return table[name]

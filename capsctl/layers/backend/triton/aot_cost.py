@@ -17,10 +17,10 @@ logit products): building the votes is ``2X`` per entry; a weighted sum or an ag
 a product 1. Per vote entry:
 
 - routed forward ``2X + 4`` (votes, agreement, weighted sum); weighted forward ``2X + 2``;
-- routed/weighted backward, first kernel (``pass_backward``): ``2X + 3`` (votes again, ``dR``,
-  ``R G``), routed ``+ 2`` (``dA P``) ``+ 2`` if ``dP``, ``+ 2X`` for ``dX``; second kernel
-  (``pass_weight_grad``, no votes): ``1`` (``R G``), routed ``+ 2`` (``dA P``), ``+ 2X`` for
-  ``dW``; the gated and EM backwards ``+ 2X`` each for ``dX`` and ``dW``;
+- routed/weighted backward, first kernel (``pass_backward``): ``2X + 2`` (votes again, ``dR``),
+  routed ``+ 2`` if ``dP``; the input and weight gradients (``pass_input_grad``,
+  ``pass_weight_grad``, no votes): ``1`` (``R G``), routed ``+ 2`` (``dA P``), ``+ 2X`` for
+  ``dX`` or ``dW``; the gated and EM backwards ``+ 2X`` each for ``dX`` and ``dW``;
 - gated forward ``2X + 2``, plus ``2 L``; gated backward ``6X + 3`` plus ``4 L``;
 - EM moments forward ``2X + 6`` (votes, shift, ``k U``, ``k U^2``); quadratic form ``2X + 5``;
 - EM backward ``2X + 5`` (votes, shift, ``dV``), ``+ 4`` (moments) or ``+ 5`` (quadratic form)
@@ -76,9 +76,8 @@ def _per_vote(kernel: str, f: dict[str, Any]) -> tuple[int, int]:
     if kernel == "pass_forward":
         return (2 * x + 4 if f["ROUTED"] else 2 * x + 2), 0
     if kernel == "pass_backward":
-        routed = 2 + 2 * int(bool(f["NEED_P"])) if f["ROUTED"] else 0
-        return 2 * x + 3 + routed + 2 * x * int(bool(f["NEED_X"])), 0
-    if kernel == "pass_weight_grad":
+        return 2 * x + 2 + (2 * int(bool(f["NEED_P"])) if f["ROUTED"] else 0), 0
+    if kernel in ("pass_input_grad", "pass_weight_grad"):
         return 1 + (2 if f["ROUTED"] else 0) + 2 * x, 0
     if kernel == "gated_forward":
         return 2 * x + 2, 2
@@ -94,18 +93,21 @@ def _per_vote(kernel: str, f: dict[str, Any]) -> tuple[int, int]:
 
 def launch_cost(launch: Any) -> dict[str, Any]:
     """``{"bytes", "flops", "dtype"}`` of a :class:`~capsctl.layers.backend.triton.aot.Launch`
-    (``dtype``: the element type of its child poses ``x``, which picks the tensor-core rate)."""
+    (``dtype``: the element type of its child poses ``x``, or of the weights ``w`` for a kernel
+    that reads no poses, which picks the tensor-core rate)."""
     f = _flags(launch)
     j, b, m, a, c, x = (int(f[k]) for k in ("J", "B", "M", "A", "C", "XD"))
     per_vote, per_logit = _per_vote(launch.kernel, f)
     seen: dict[int, int] = {}
     dtype = "float32"
+    names = [t[0] for t in launch.tensors]
+    pose = "x_ptr" if "x_ptr" in names else "w_ptr"
     for name, shape, dt, ident in launch.tensors:
         numel = 1
         for n in shape:
             numel *= int(n)
         seen[ident] = numel * _ITEMSIZE[dt]
-        dtype = dt if name == "x_ptr" else dtype
+        dtype = dt if name == pose else dtype
     votes = j * b * m * a * c
     flops = per_vote * votes + per_logit * j * b * m * a * x
     return {"bytes": sum(seen.values()), "flops": flops, "dtype": dtype}

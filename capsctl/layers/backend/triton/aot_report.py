@@ -80,10 +80,12 @@ def describe(launch: Any) -> dict[str, str]:
     return {"pass": name, "direction": direction}
 
 
-# each kernel's family and direction (the weight gradient is the backward's second kernel)
+# each kernel's family and direction (the input and weight gradients: the backward's second
+# and third kernels)
 _KERNELS = {
     "pass_forward": ("pass", "forward"),
     "pass_backward": ("pass", "backward"),
+    "pass_input_grad": ("pass", "backward"),
     "pass_weight_grad": ("pass", "backward"),
     "gated_forward": ("gated", "forward"),
     "gated_backward": ("gated", "backward"),

@@ -1,7 +1,7 @@
 """Triton kernels of the routed and the weighted pass: the votes built on chip as matrix
 products (tiles.py) and never stored, every sum kept in registers and written once.
 
-Letters and layouts as in capsctl/layers/passes/routed.py and tiles.py. Three kernels, none
+Letters and layouts as in capsctl/layers/passes/routed.py and tiles.py. Four kernels, none
 with an atomic:
 
 - :func:`pass_forward` (grid: site blocks x child spans). A program owns ``BB`` parent sites
@@ -10,10 +10,12 @@ with an atomic:
   ``R = softmax_m(A)`` (stored); weighted: ``R`` read. ``S += R V`` stays in registers; the
   program writes its span's sum once, to ``S[span, B, m, a, c]`` (the launcher adds the spans).
 - :func:`pass_backward` (same grid), from ``G = d loss / d S``: the votes again,
-  ``dR = sum_{a,c} V G``; routed: ``dA = R (dR - sum_m R dR)`` (stored for the weights'
-  gradient, ``NEED_A``), ``dP += scale sum_j dA V`` (registers, written once per span),
-  ``dV = R G + scale dA P``; weighted: ``dR`` stored, ``dV = R G``; then ``dX = dV W^T``
-  (one ``tl.dot`` per child, stored: a site and a child belong to one program).
+  ``dR = sum_{a,c} V G``; routed: ``dA = R (dR - sum_m R dR)`` (stored for the gradients of
+  the inputs and the weights, ``NEED_A``), ``dP += scale sum_j dA V`` (registers, written once
+  per span); weighted: ``dR`` stored.
+- :func:`pass_input_grad` (same grid): ``dV = R G + dA (scale P)`` (weighted ``R G``) needs no
+  votes once ``dA`` is known, so per child ``dX = dV W^T`` is one ``tl.dot`` per block of
+  ``MB`` parents, stored (a site and a child belong to one program).
 - :func:`pass_weight_grad` (grid: children x site spans x parent blocks): ``dV`` needs no
   votes once ``dA`` is known, ``dV = R G + dA (scale P)`` (weighted ``R G``), so a program
   owns one child and ``MB`` of its parents and loops over its span of sites in blocks of
@@ -38,7 +40,7 @@ from capsctl.layers.backend.triton.tiles import (
     widen,
 )
 
-__all__ = ["pass_backward", "pass_forward", "pass_weight_grad"]
+__all__ = ["pass_backward", "pass_forward", "pass_input_grad", "pass_weight_grad"]
 
 
 @triton.jit
@@ -75,45 +77,36 @@ def pass_forward(
 
 @triton.jit
 def pass_backward(
-    x_ptr, w_ptr, p_ptr, r_ptr, g_ptr, gx_ptr, gp_ptr, da_ptr, J, B, JN, scale,
+    x_ptr, w_ptr, r_ptr, g_ptr, gp_ptr, da_ptr, J, B, JN, scale,
     M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
-    ROUTED: tl.constexpr, NEED_X: tl.constexpr, NEED_P: tl.constexpr, NEED_A: tl.constexpr,
+    ROUTED: tl.constexpr, NEED_P: tl.constexpr, NEED_A: tl.constexpr,
     ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
     I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
     MP: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """From ``G[B, m, a, c]`` (``g_ptr``): ``dX[J, B, a, x]`` stored (``NEED_X``); routed:
-    ``dP[span, B, m, a, c]`` written once per span (``NEED_P``) and ``dA[J, B, m]`` stored
-    (``NEED_A``); weighted: ``dR[J, B, m]`` stored (``NEED_P``, in ``gp_ptr``)."""
+    """From ``G[B, m, a, c]`` (``g_ptr``), routed: ``dP[span, B, m, a, c]`` written once per
+    span (``NEED_P``) and ``dA[J, B, m]`` stored (``NEED_A``); weighted: ``dR[J, B, m]`` stored
+    (``NEED_P``, in ``gp_ptr``)."""
     b0 = tl.program_id(0) * BB
     span = tl.program_id(1)
     j_lo = span * JN
     poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     gv = tl.load(g_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MP, CP]
-    if ROUTED:
-        pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC) * scale  # scale P
     gp = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # dP of the span (routed), before the scale
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
-        v, wt = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
-                          MP, CP)  # fmt: skip
+        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
+                         MP, CP)  # fmt: skip
         roffs, rmask, _ = coef_tile(j, b0, B, 0, B, M, I64, BB, MP)  # [BB, MP]
-        r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
         dr = tl.sum(tl.sum(v * gv, axis=3), axis=1)  # [BB, MP]
-        dv = r[:, None, :, None] * gv  # [BB, AP, MP, CP]
         if ROUTED:
+            r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
             da = r * (dr - tl.sum(r * dr, axis=1)[:, None])  # [BB, MP], before the scale
             if NEED_P:
                 gp += da[:, None, :, None] * v  # [BB, AP, MP, CP]
             if NEED_A:
                 tl.store(da_ptr + roffs, da, mask=rmask)  # dA[J, B, m]
-            dv += da[:, None, :, None] * pv  # [BB, AP, MP, CP]
         elif NEED_P:
             tl.store(gp_ptr + roffs, dr, mask=rmask)  # dR[J, B, m]
-        if NEED_X:
-            wtt = tl.trans(wt.to(ACC))  # [N, KP]
-            gx = tl.dot(to_rows(dv, BB, AP, MP, CP), wtt, input_precision=DOT)  # [R, KP]
-            xo, xmask = pose_rows(j, b0, B, B, A, XD, I64, BB, KP, AP)  # [R, KP]
-            tl.store(gx_ptr + xo, gx, mask=xmask)  # dX[J, B, a, x]
     if ROUTED and NEED_P:
         gp_offs = widen(span, I64) * B * (M * A * C) + poffs
         tl.store(gp_ptr + gp_offs, gp * scale, mask=pmask)
@@ -154,3 +147,44 @@ def pass_weight_grad(
     cc = nn % CP
     offs = ((widen(span, I64) * J + j) * XD + kk) * (M * C) + mm * C + cc  # [KP, N]
     tl.store(gw_ptr + offs, gw, mask=(kk < XD) & (mm < M) & (cc < C))
+
+
+@triton.jit
+def pass_input_grad(
+    w_ptr, p_ptr, r_ptr, da_ptr, g_ptr, gx_ptr, J, B, JN, scale,
+    M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
+    ROUTED: tl.constexpr, ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
+    I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
+    MP: tl.constexpr, MB: tl.constexpr, CP: tl.constexpr,
+):  # fmt: skip
+    """``dX[J, B, a, x] = dV W^T`` of the program's sites and span of children, with
+    ``dV = R G + dA (scale P)`` (routed; ``dA`` from :func:`pass_backward`) or ``R G``
+    (weighted). No votes are needed: per child and block of ``MB`` parents, one load of the
+    coefficients and the weights and one ``tl.dot`` (in ``DT``, float32 sums) over the block's
+    pose columns ``(m, c)``, so that the weights' tile stays small for wide poses."""
+    b0 = tl.program_id(0) * BB
+    span = tl.program_id(1)
+    j_lo = span * JN
+    nn = tl.arange(0, MB * CP)
+    kk = tl.arange(0, KP)
+    for j in range(j_lo, tl.minimum(j_lo + JN, J)):
+        gx = tl.zeros((BB * AP, KP), dtype=ACC)  # [R, KP]
+        for m0 in tl.static_range(0, MP, MB):
+            poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MB, CP)
+            gv = tl.load(g_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MB, CP]
+            roffs, rmask, _ = coef_tile(j, b0, B, m0, B, M, I64, BB, MB)  # [BB, MB]
+            r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MB]
+            dv = r[:, None, :, None] * gv  # [BB, AP, MB, CP]
+            if ROUTED:
+                pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC) * scale
+                da = tl.load(da_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MB]
+                dv += da[:, None, :, None] * pv  # [BB, AP, MB, CP]
+            mm = m0 + nn // CP  # [N]: the column's parent
+            cc = nn % CP  # [N]: the column's pose column
+            wo = (widen(j, I64) * XD + kk[None, :]) * (M * C) + (mm * C + cc)[:, None]
+            wmask = ((mm < M) & (cc < C))[:, None] & (kk < XD)[None, :]
+            wtt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # W^T [N, KP]
+            dvr = to_rows(dv, BB, AP, MB, CP).to(DT)  # [R, N]
+            gx += tl.dot(dvr, wtt, input_precision=DOT)  # [R, KP]
+        xo, xmask = pose_rows(j, b0, B, B, A, XD, I64, BB, KP, AP)  # [R, KP]
+        tl.store(gx_ptr + xo, gx, mask=xmask)  # dX[J, B, a, x]

@@ -137,7 +137,7 @@ def _backward(
     x, w, r, gs = x.contiguous(), w.contiguous(), r.contiguous(), gs.contiguous()
     routed = p is not None
     need_x, need_w, need_p = (bool(n) for n in needs)
-    need_a = routed and need_w  # dA[J, B, m] for the weight gradient
+    need_a = routed and (need_w or need_x)  # dA[J, B, m] for dV = R G + dA (scale P)
     plan = launch_plan(j, bsz, m, a, c, xd, x.element_size(), *tiling)
     empty = x.new_zeros(1, dtype=dt)
     gx = x.new_empty(j, bsz, a, xd, dtype=dt) if need_x else empty  # [J, B, a, x], stored
@@ -152,11 +152,18 @@ def _backward(
     pp = p.contiguous() if routed else gs  # P, not read by the weighted pass
     meta = kernel_meta(x, m, a, c, plan, gp.numel(), gw.numel(), r.numel()) | plan.pads()
     with on_device(x):
-        if need_x or need_p or need_a:
+        if need_p or need_a:  # first dA (routed) or dR (weighted): they need the votes
             kernels.pass_backward[plan.grid(bsz)](
-                x, w, pp, r, gs, gx, gp, da, j, bsz, plan.span, scale, ROUTED=routed,
-                NEED_X=need_x, NEED_P=need_p, NEED_A=need_a, BB=plan.block, **meta,
+                x, w, r, gs, gp, da, j, bsz, plan.span, scale, ROUTED=routed,
+                NEED_P=need_p, NEED_A=need_a, BB=plan.block, **meta,
                 num_warps=plan.warps, num_stages=plan.stages,
+            )  # fmt: skip
+        if need_x:
+            xmeta = {k: v for k, v in meta.items() if k != "MP"}
+            kernels.pass_input_grad[plan.grid(bsz)](
+                w, pp, r, da, gs, gx, j, bsz, plan.span, scale, ROUTED=routed,
+                BB=plan.block, MP=plan.mp, MB=plan.x_parents, **xmeta,
+                num_warps=plan.x_warps, num_stages=plan.stages,
             )  # fmt: skip
         if need_w:
             meta = {k: v for k, v in meta.items() if k not in ("DT", "MP")}

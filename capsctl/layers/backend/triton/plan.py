@@ -8,10 +8,16 @@ parent poses, ``x`` child pose width) and the inputs' element size, and gives
   ``MP*CP`` at least the MMA's K, so that ``dX = dV W^T`` is a tensor-core product) and ``KP``
   (the child pose width padded to the MMA's K: 16 for 16-bit inputs, 8 for float32, 4 for
   float64);
-- for the site-major kernels (forward, ``dX``/``dP``/``dR``): ``BB`` sites a block, sized so
-  that a ``[BB, AP, MP, CP]`` tile holds :data:`TILE_PER_THREAD` elements a thread at most
-  (more warps for wider parent poses), and the children split into spans of ``JN`` so that the
-  grid has :data:`PROGRAMS` programs or more where the sites alone give fewer;
+- for the site-major kernels (forward, ``dA``/``dP``/``dR``, ``dX``): ``BB`` sites a block, sized
+  so that a ``[BB, AP, MP, CP]`` tile holds :data:`TILE_PER_THREAD` elements a thread of 4 warps
+  at most, and the children split into spans of ``JN`` so that the grid has :data:`PROGRAMS`
+  programs or more where the sites alone give fewer. The forward and the first backward kernel
+  also hold one child's weights ``[KP, MP*CP]`` (counted at their element size against
+  float32's): their warps are the fewest that keep both the tile and the weights within
+  :data:`TILE_PER_THREAD` a thread (16 for dynamic routing's 16-wide poses in float32);
+- for the input-gradient kernel (``dX = dV W^T``, site-major): ``MB`` parents a product, the
+  most that keep the weights' block ``[MB*CP, KP]`` and the tile ``[BB, AP, MB, CP]`` within
+  :data:`TILE_PER_THREAD` a thread of 4 warps;
 - for the weight-gradient kernel (child-major): ``BB`` sites a block, :data:`W_ROWS` pose rows
   (``BB*AP``: the sum over sites is the product's inner dimension, so at least the MMA's K),
   ``MB`` parents a program (its tile and its ``[KP, MB*CP]`` sum within
@@ -72,6 +78,8 @@ class LaunchPlan:
     span: int  # JN: children a program of the site-major kernels loops over
     spans: int  # child spans (the grid's second dimension)
     warps: int
+    x_parents: int  # MB: parents a product of the input-gradient kernel sums over
+    x_warps: int
     w_block: int  # BB of the weight-gradient kernel
     w_parents: int  # MB: parents a program of the weight-gradient kernel owns
     w_span: int  # BN: sites a program of the weight-gradient kernel loops over
@@ -126,7 +134,13 @@ def launch_plan(
         bb = next_pow2(block)
     else:  # as many sites as a tile of 16 elements a thread of 4 warps holds, at least one
         bb = max(1, min(next_pow2(bsz), (TILE_PER_THREAD * 32 * _WARPS[0]) // per_site))
-    warps = _warps_for(bb * per_site)
+    weights = max(1, kp * mp * cp * itemsize // 4)  # one child's W, in float32 elements
+    warps = _warps_for(max(bb * per_site, weights))
+    room = TILE_PER_THREAD * 32 * _WARPS[0]
+    xmb = mp
+    while xmb > 1 and (xmb * cp * kp * itemsize // 4 > room or bb * ap * xmb * cp > room):
+        xmb //= 2
+    x_warps = _warps_for(max(bb * ap * xmb * cp, xmb * cp * kp * itemsize // 4))
     blocks = _cdiv(bsz, bb)
     if span:
         jn = span
@@ -136,7 +150,6 @@ def launch_plan(
     # the weight gradient: rows (b, a) are the product's K (float32 products: 8 at least)
     k_rows = MMA_K[4 if itemsize == 2 else itemsize]
     w_block = next_pow2(max(_cdiv(k_rows, ap), _cdiv(W_ROWS, ap), block))
-    room = TILE_PER_THREAD * 32 * _WARPS[0]
     mb = max(1, min(mp, room // (w_block * ap * cp), room // (kp * cp)))
     nmb = mp // mb
     if block:
@@ -147,6 +160,6 @@ def launch_plan(
     w_warps = _warps_for(max(w_block * ap * mb * cp, kp * mb * cp))
     return LaunchPlan(
         kp=kp, ap=ap, mp=mp, cp=cp, block=bb, span=jn, spans=_cdiv(j, jn), warps=warps,
-        w_block=w_block, w_parents=mb, w_span=w_span, w_spans=_cdiv(bsz, w_span),
-        w_warps=w_warps,
+        x_parents=xmb, x_warps=x_warps, w_block=w_block, w_parents=mb, w_span=w_span,
+        w_spans=_cdiv(bsz, w_span), w_warps=w_warps,
     )  # fmt: skip
