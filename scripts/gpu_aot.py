@@ -44,6 +44,7 @@ from capsctl.layers import gpu_aot  # noqa: E402
 from capsctl.registry import list_models  # noqa: E402
 
 PRECISIONS = {"float32": False, "bf16": True}  # the step's precision -> autocast
+BASELINE = "resnet18"  # the modelled steps' yardstick
 KERNELS = "capsctl/layers/backend/triton/"  # kernels_modified: tracked files changed there
 
 
@@ -51,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
     captures = capture_all(args.models, args.batch, args.precisions)
+    baseline = baseline_step(args.batch)
     variants = every = gpu_aot.group_variants(captures)
     scope = "all"
     if args.cover:
         variants, scope = cover(every)
-    doc = _doc(args, captures, scope)
+    doc = _doc(args, captures, scope) | {"baseline": baseline}
     doc |= {"distinct_variants": len(every), "compiled_variants": len(variants)}
     if args.capture_only:
         args.arch = []
@@ -123,11 +125,31 @@ def capture_all(models: list[str], batch: int, precisions: list[str]) -> list[tu
                 if schedule is not None:
                     net.set_routing(None, schedule)
                 images = (batch, cfg.in_channels, cfg.input_size, cfg.input_size)
-                launches = gpu_aot.capture_step(net, images, cfg.num_classes, PRECISIONS[precision])
+                ops: list = []
+                launches = gpu_aot.capture_step(
+                    net, images, cfg.num_classes, PRECISIONS[precision], ops
+                )
                 ctx = {"model": name, "router": router, "schedule": schedule}
+                ctx |= {"other_us": round(sum(gpu_aot.op_us(o) for o in ops), 2)}
                 out.append(({**ctx, "precision": precision}, launches))
                 _log(f"captured {name} {schedule or ''} {precision}: {len(launches)} launches")
     return out
+
+
+def baseline_step(batch: int) -> dict:
+    """ResNet-18's bf16 training step at ``batch``, modelled from its operators alone, as the
+    capsule models' steps are beside their kernels."""
+    cfg = resolve_config(BASELINE)
+    torch.manual_seed(0)
+    net = build_model(cfg).train()
+    ops: list = []
+    gpu_aot.capture_step(net, (batch, cfg.in_channels, cfg.input_size, cfg.input_size),
+                         cfg.num_classes, True, ops)  # fmt: skip
+    return {
+        "model": BASELINE, "precision": "bf16", "operators": len(ops),
+        "flops": sum(o.flops for o in ops), "bytes": sum(o.bytes for o in ops),
+        "modelled_us": round(sum(gpu_aot.op_us(o) for o in ops), 2),
+    }  # fmt: skip
 
 
 def cover(variants: list) -> tuple[list, str]:
@@ -173,6 +195,7 @@ def _doc(args: argparse.Namespace, captures: list, scope: str) -> dict:
 def _finish(doc: dict, variants: list, start: float, complete: bool) -> None:
     doc["budgets"] = gpu_aot.budget_summary(doc["variants"])
     doc["steps"] = gpu_aot.step_summary(variants, doc["variants"])
+    doc["modelled_steps"] = gpu_aot.step_table(doc["steps"], doc["baseline"])
     doc["wall_s"] = round(time.perf_counter() - start, 1)
     doc["host"]["load_average_end"] = list(os.getloadavg())
     doc["complete"] = complete
@@ -250,8 +273,24 @@ def table(doc: dict) -> str:
     for name, ids in b["broken"].items():
         lines.append(f"  {name}: broken by {len(ids)}")
     lines.append("  all kept" if b["ok"] else f"  {len(b['variants_breaking'])} variants break one")
+    lines += ["", *step_lines(doc)]
     lines.append(f"modelled times are estimated (H100 model); commit {doc['commit']}")
     return "\n".join(lines) + "\n"
+
+
+def step_lines(doc: dict) -> list[str]:
+    """The modelled bf16 training steps against ResNet-18's, one line each."""
+    base = doc["baseline"]
+    head = f"modelled bf16 training step at batch {doc['batch']}, us (estimated):"
+    lines = [head, f"  {base['model']:<34} {base['modelled_us']:>9.0f}  1.00x"]
+    for s in doc["modelled_steps"]:
+        name = s["model"] + (f" ({s['schedule']})" if s["schedule"] else "")
+        note = "" if s["complete"] else "  (partial: not every variant compiled)"
+        lines.append(
+            f"  {name:<34} {s['step_us']:>9.0f}  {s['vs_baseline']:.2f}x"
+            f"  routing {s['routing_us']:.0f}{note}"
+        )
+    return lines
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend import bindings
-from capsctl.layers.backend.dispatch import choose, run_fused
+from capsctl.layers.backend.dispatch import choose
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import parent_major, prepare, site_major, unprepare_weights
 from capsctl.layers.passes.weighted import weighted_pass
@@ -106,14 +106,6 @@ class GatedPass(torch.autograd.Function):
         return gact, gx, unprepare_weights(gwc, c), gwr, gbr  # gw: [J, x, m, c]
 
 
-def _triton_gated(
-    act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    from capsctl.layers.backend.triton.ops import triton_gated
-
-    return triton_gated(act, x, w, wr, br)  # [B, m, a, c], [B, m], [J, B, m]
-
-
 def gated_pass(
     act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor, chunk_sites: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -128,22 +120,17 @@ def gated_pass(
     divided per parent afterwards, so no normalized ``[J, B, m]`` weights are built;
     ``chunk_sites``: sites per chunk (None: by its byte budget). On a CPU with the compiled loops
     (and no ``chunk_sites``) the logits, the coefficients, the mass and the weighted sum are one
-    pass (:class:`GatedPass`), which keeps neither the logits nor the mass."""
+    pass (:class:`GatedPass`), which keeps neither the logits nor the mass. Where the Triton
+    kernels run (a GPU), the logits are one batched matrix product and the weighted sum is
+    the Triton weighted pass (capsctl/layers/backend/triton/kernels.py): the coefficients
+    depend on the child alone, so no kernel of self-routing's own is needed."""
     j, bsz, a, xd = x.shape
     backend = choose(act, x, w, wr, br).backend if chunk_sites is None else "chunked"
-    fused = None
-    if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
-        fused = run_fused("gated", _triton_gated, act, x, w, wr, br)
-        if fused is None:  # it failed here: the torch code runs
-            backend = "chunked"
-    if backend in ("native", "triton"):
+    if backend == "native":
         m, c = w.shape[2], w.shape[3]
         add_routing_flops(2 * j * bsz * a * xd * m)  # the logits (a matrix product in the pass)
         add_routing_flops(2 * j * bsz * m * a * c)  # the weighted sum
-        if fused is not None:
-            u, total, coef = fused  # [B, m, a, c], [B, m], [J, B, m]
-        else:
-            u, total, coef = GatedPass.apply(act, x, w, wr, br)  # as triton_gated
+        u, total, coef = GatedPass.apply(act, x, w, wr, br)
         u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
         return u, parent_activations(total, act), coef
     logits = routing_logits(x.reshape(j, bsz, a * xd), wr, br)  # [J, B, m]

@@ -32,7 +32,7 @@ OPS = {
     "idpa": ("ops", "triton_routed"),
     "dynamic": ("ops", "triton_routed"),
     "em": ("em_ops", "triton_em_moments", "triton_em_quad"),
-    "self": ("ops", "triton_gated"),
+    "self": ("ops", "triton_weighted"),
 }
 
 

@@ -6,8 +6,9 @@ against the equations written here as einsums in float64 over the full vote tens
 the torch passes of capsctl/layers/passes/ (dense and chunked), and by gradcheck; in fully
 connected and convolutional site layouts (conv windows unfolded here from a child grid), with
 one parent type, one child, block edges that leave partial tiles, and matrix (4 x 4) and
-vector (1 x d) poses; self-routing's gated pass (Hahn et al., NeurIPS 2019) likewise against
-its equations, capsctl/layers/passes/gated.py and gradcheck; bf16 inputs summed in float32;
+vector (1 x d) poses; self-routing's gated pass (Hahn et al., NeurIPS 2019), torch's logits
+and the weighted pass's kernels, against its equations and the torch code; bf16 inputs summed
+in float32;
 then the custom ops' registration (fake, autograd, torch.compile).
 """
 
@@ -26,7 +27,6 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 from capsctl.layers.backend import dispatch  # noqa: E402
 from capsctl.layers.backend import triton as triton_backend  # noqa: E402
 from capsctl.layers.backend.triton.ops import (  # noqa: E402
-    triton_gated,
     triton_routed,
     triton_weighted,
 )
@@ -329,43 +329,34 @@ GATED = ["fc-matrix-partial-tiles", "fc-vector-odd-dims", "one-parent", "one-chi
 
 @pytest.mark.parametrize("name", GATED)
 def test_gated_pass_matches_the_equations_and_the_torch_pass(name: str) -> None:
+    # under the Triton backend self-routing is torch's logits and the Triton weighted pass
     shape = SHAPES[name]
-    tiles = {"block_j": shape[6], "sites": shape[7]}
     ins = _leaves(*_gated_inputs(shape))
-    out = triton_gated(*ins, **tiles)
-    assert not out[2].requires_grad
+    with dispatch.use("triton"):
+        u, act_out, coef = gated_pass(*ins)
+    assert not coef.requires_grad
     ref_ins = _leaves(*_gated_inputs(shape))
-    want = gated_equations(*ref_ins)
-    for got, ref in zip(out, want, strict=True):
+    s, total, coef_want = gated_equations(*ref_ins)
+    u_want = s / (total + SELF_ROUTING_EPS)[:, :, None, None]  # [B, m, a, c]
+    act_want = total / (ref_ins[0].sum(-1, keepdim=True) + SELF_ROUTING_EPS)  # [B, m]
+    for got, ref in zip((u, act_out, coef), (u_want, act_want, coef_want), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
-    got_g = torch.autograd.grad(_gated_loss(out), ins)
-    for got, ref in zip(got_g, torch.autograd.grad(_gated_loss(want), ref_ins), strict=True):
+    got_g = torch.autograd.grad(_gated_loss((u, act_out)), ins)
+    want_g = torch.autograd.grad(_gated_loss((u_want, act_want)), ref_ins)
+    for got, ref in zip(got_g, want_g, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
-    # capsctl/layers/passes/gated.py's pose and activation, in float32
+    # and the torch code's chunks, in float32
     ins = _leaves(*_gated_inputs(shape, dtype=torch.float32))
-    s, total, coef = triton_gated(*ins, **tiles)
-    u = s / (total + SELF_ROUTING_EPS)[:, :, None, None]  # [B, m, a, c]
-    act_out = total / (ins[0].sum(-1, keepdim=True) + SELF_ROUTING_EPS)  # [B, m]
+    with dispatch.use("triton"):
+        got = gated_pass(*ins)
+        got_g = torch.autograd.grad(_gated_loss(got), ins)
     ref_ins = _leaves(*_gated_inputs(shape, dtype=torch.float32))
     with dispatch.use("chunked", sites=2):
         want = gated_pass(*ref_ins)
         want_g = torch.autograd.grad(_gated_loss(want), ref_ins)
     tol = {"rtol": 1e-4, "atol": 1e-5}
-    for got, ref in zip((u, act_out, coef), want, strict=True):
-        torch.testing.assert_close(got, ref, **tol)
-    got_g = torch.autograd.grad(_gated_loss((u, act_out)), ins)
-    for got, ref in zip(got_g, want_g, strict=True):
-        torch.testing.assert_close(got, ref, **tol)
-
-
-def test_gated_pass_passes_gradcheck_and_opcheck() -> None:
-    shape = SHAPES["fc-matrix-partial-tiles"]
-    ins = _leaves(*_gated_inputs(shape))
-    assert torch.autograd.gradcheck(
-        lambda *t: triton_gated(*t, block_j=2, sites=2)[:2], ins, fast_mode=True
-    )
-    ins = _leaves(*_gated_inputs(SHAPES["one-child"], dtype=torch.float32))
-    torch.library.opcheck(torch.ops.capsctl.triton_gated.default, (*ins, [0, 0]))
+    for got_t, ref in zip((*got, *got_g), (*want, *want_g), strict=True):
+        torch.testing.assert_close(got_t, ref, **tol)
 
 
 def test_bfloat16_inputs_are_summed_in_float32() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from capsctl.layers.backend.triton.plan import (
+    CHAINED_PER_THREAD,
     MMA_K,
     TILE_PER_THREAD,
     W_ROWS,
@@ -56,6 +57,10 @@ def test_plans_fit_the_mma_and_the_register_budget(
     room = TILE_PER_THREAD * 32 * p.x_warps
     assert p.x_parents * p.cp * p.kp * itemsize // 4 <= room or p.x_parents == 1
     assert p.block * p.ap * p.x_parents * p.cp <= room or p.x_parents == 1
+    # a block that chains two products (EM's votes, then dX) keeps a smaller tile
+    assert p.x_parents % p.xv_parents == 0
+    chained = CHAINED_PER_THREAD * 32 * p.x_warps
+    assert p.block * p.ap * p.xv_parents * p.cp <= chained or p.xv_parents == 1
     # the grids cover every child and every site, with no empty span
     assert p.span * p.spans >= j and p.span * (p.spans - 1) < j
     blocks, spans = p.grid(bsz)

@@ -1,9 +1,10 @@
 """Fused GPU passes in Triton: the votes built on chip tile by tile and never stored.
 
-kernels.py holds the Triton kernels of the routed and the weighted pass, gated.py those of
-self-routing's gated pass, em.py EM routing's moments and quadratic form (forward and backward,
-float32 accumulation); ops.py and em_ops.py register them as ``torch.library`` custom ops
-(``capsctl::triton_routed``, ``triton_weighted``, ``triton_gated``, ``triton_em_moments``,
+kernels.py holds the Triton kernels of the routed and the weighted pass (self-routing's
+coefficients depend on the child alone, so its pass is torch's logits and the weighted pass),
+em.py EM routing's moments and quadratic form (forward and backward, float32 accumulation);
+ops.py and em_ops.py register them as ``torch.library`` custom ops
+(``capsctl::triton_routed``, ``triton_weighted``, ``triton_em_moments``,
 ``triton_em_quad`` and their backwards) with fake implementations and autograd, so
 ``torch.compile`` keeps each pass as one node.
 

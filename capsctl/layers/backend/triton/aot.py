@@ -45,13 +45,16 @@ from capsctl.layers.backend.triton.aot_cost import (
     broken_budgets,
     launch_cost,
     modelled_us,
+    op_us,
 )
+from capsctl.layers.backend.triton.aot_ops import OpCost, recording
 from capsctl.layers.backend.triton.aot_report import (
     Variant,
     budget_summary,
     describe,
     group_variants,
     step_summary,
+    step_table,
     variant_row,
 )
 
@@ -62,6 +65,7 @@ __all__ = [
     "KERNEL_NAMES",
     "Compiler",
     "Launch",
+    "OpCost",
     "Variant",
     "arch_name",
     "arch_number",
@@ -73,15 +77,16 @@ __all__ = [
     "group_variants",
     "launch_cost",
     "modelled_us",
+    "op_us",
     "step_summary",
+    "step_table",
     "variant_row",
 ]
 
 #: The JIT kernels a launch can name, by module of capsctl/layers/backend/triton/.
 KERNEL_NAMES = {
     "kernels": ("pass_forward", "pass_backward", "pass_input_grad", "pass_weight_grad"),
-    "gated": ("gated_forward", "gated_backward"),
-    "em": ("em_forward", "em_backward"),
+    "em": ("em_forward", "em_backward", "em_input_grad", "em_weight_grad"),
 }
 # launch options a variant is compiled with (the rest of a launch's keywords are arguments)
 _OPTIONS = ("num_warps", "num_stages")
@@ -233,10 +238,10 @@ def capturing() -> Iterator[list[Launch]]:
     """Inside the block the passes take the Triton kernels on any CPU tensor (the dispatch's
     device check and self-test skipped), the custom ops run their own code and each kernel
     launch is appended to the list yielded, not run."""
-    from capsctl.layers.backend.triton import em, em_ops, gated, kernels, ops  # noqa: F401
+    from capsctl.layers.backend.triton import em, em_ops, kernels, ops  # noqa: F401
 
     launches: list[Launch] = []
-    modules = {"kernels": kernels, "gated": gated, "em": em}
+    modules = {"kernels": kernels, "em": em}
     # the launches a GPU gets: not the interpreter's (ops.kernel_meta widens 16-bit products
     # for it)
     items = [(dispatch, "triton_status", lambda device: ""), (ops, "interpreted", lambda: False)]
@@ -247,12 +252,18 @@ def capturing() -> Iterator[list[Launch]]:
 
 
 def capture_step(
-    net: nn.Module, images: Sequence[int], classes: int, amp: bool = False
+    net: nn.Module,
+    images: Sequence[int],
+    classes: int,
+    amp: bool = False,
+    ops: list[OpCost] | None = None,
 ) -> list[Launch]:
     """The kernel launches of one training step of ``net`` (forward on a batch of fake images
     of shape ``images`` = ``(batch, channels, height, width)``, cross-entropy against
-    ``classes`` labels, backward), in float32 or under bf16 autocast (``amp``). ``net`` is
-    turned into fake tensors in place (its values are lost: rebuild it to use it again)."""
+    ``classes`` labels, backward), in float32 or under bf16 autocast (``amp``); ``ops``: a list
+    that receives every torch operator of the step beside the kernels, with its FLOPs and bytes
+    (aot_ops.py). ``net`` is turned into fake tensors in place (its values are lost: rebuild it
+    to use it again)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -260,8 +271,11 @@ def capture_step(
         net.to_empty(device="cpu")
         x = torch.empty(*images)
         y = torch.zeros(images[0], dtype=torch.long).clamp(max=classes - 1)
-        with capturing() as launches:
+        # the operators are recorded below the mode that runs the passes' Python code
+        with recording() as seen, capturing() as launches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 logits = net(x)
             F.cross_entropy(logits.float(), y).backward()
+    if ops is not None:
+        ops.extend(seen)
     return launches

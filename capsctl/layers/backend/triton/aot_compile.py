@@ -148,13 +148,13 @@ def spills(log: str) -> dict[str, int | None]:
 
 
 def _kernel(name: str) -> Any:
-    from capsctl.layers.backend.triton import em, gated, kernels
+    from capsctl.layers.backend.triton import em, kernels
 
     table = {"pass_forward": kernels.pass_forward, "pass_backward": kernels.pass_backward}
     table |= {"pass_weight_grad": kernels.pass_weight_grad}
     table |= {"pass_input_grad": kernels.pass_input_grad}
-    table |= {"gated_forward": gated.gated_forward, "gated_backward": gated.gated_backward}
     table |= {"em_forward": em.em_forward, "em_backward": em.em_backward}
+    table |= {"em_input_grad": em.em_input_grad, "em_weight_grad": em.em_weight_grad}
     return table[name]
 
 

@@ -12,19 +12,18 @@ the kernel must read or write at least. Re-reads through L2 and the read-modify-
 atomic adds are not charged (the PTX's atomic counts and the budgets show those).
 
 FLOPs, with ``V = J B m a c`` vote entries (``J`` children, ``B`` parent sites, ``m`` parents,
-``a x c`` parent poses), ``X`` the child pose width (``x``) and ``L = J B m a X`` (self-routing's
-logit products): building the votes is ``2X`` per entry; a weighted sum or an agreement 2,
-a product 1. Per vote entry:
+``a x c`` parent poses) and ``X`` the child pose width (``x``): building the votes is ``2X``
+per entry; a weighted sum or an agreement 2, a product 1. Per vote entry:
 
 - routed forward ``2X + 4`` (votes, agreement, weighted sum); weighted forward ``2X + 2``;
 - routed/weighted backward, first kernel (``pass_backward``): ``2X + 2`` (votes again, ``dR``),
   routed ``+ 2`` if ``dP``; the input and weight gradients (``pass_input_grad``,
   ``pass_weight_grad``, no votes): ``1`` (``R G``), routed ``+ 2`` (``dA P``), ``+ 2X`` for
-  ``dX`` or ``dW``; the gated and EM backwards ``+ 2X`` each for ``dX`` and ``dW``;
-- gated forward ``2X + 2``, plus ``2 L``; gated backward ``6X + 3`` plus ``4 L``;
+  ``dX`` or ``dW``;
 - EM moments forward ``2X + 6`` (votes, shift, ``k U``, ``k U^2``); quadratic form ``2X + 5``;
-- EM backward ``2X + 5`` (votes, shift, ``dV``), ``+ 4`` (moments) or ``+ 5`` (quadratic form)
-  for the coefficients' gradients, ``+ 2X`` each for ``dX`` and ``dW``.
+- EM backward, first kernel (``em_backward``): ``2X + 5`` (votes, shift, the coefficients'
+  gradients); the input and weight gradients (``em_input_grad``, ``em_weight_grad``): ``4X + 5``
+  each (votes, shift, ``dV``, ``dX`` or ``dW``).
 
 The softmax and other per-``(j, b, m)`` terms are ``1/(a c)`` of these and left out.
 """
@@ -40,6 +39,7 @@ __all__ = [
     "flop_rate",
     "launch_cost",
     "modelled_us",
+    "op_us",
 ]
 
 #: H100 SXM figures of docs/GPU.md (public spec sheet) and the shares of them planned on.
@@ -69,25 +69,21 @@ def _flags(launch: Any) -> dict[str, Any]:
     return {**dict(launch.scalars), **dict(launch.constexprs)}
 
 
-def _per_vote(kernel: str, f: dict[str, Any]) -> tuple[int, int]:
-    """FLOPs per vote entry and per logit product ``L`` of a launch (module docstring)."""
+def _per_vote(kernel: str, f: dict[str, Any]) -> int:
+    """FLOPs per vote entry of a launch (module docstring)."""
     x = int(f["XD"])
-    grads = 2 * x * (int(bool(f.get("NEED_X"))) + int(bool(f.get("NEED_W"))))
     if kernel == "pass_forward":
-        return (2 * x + 4 if f["ROUTED"] else 2 * x + 2), 0
+        return 2 * x + 4 if f["ROUTED"] else 2 * x + 2
     if kernel == "pass_backward":
-        return 2 * x + 2 + (2 * int(bool(f["NEED_P"])) if f["ROUTED"] else 0), 0
+        return 2 * x + 2 + (2 * int(bool(f["NEED_P"])) if f["ROUTED"] else 0)
     if kernel in ("pass_input_grad", "pass_weight_grad"):
-        return 1 + (2 if f["ROUTED"] else 0) + 2 * x, 0
-    if kernel == "gated_forward":
-        return 2 * x + 2, 2
-    if kernel == "gated_backward":
-        return 6 * x + 3, 4
+        return 1 + (2 if f["ROUTED"] else 0) + 2 * x
     if kernel == "em_forward":
-        return (2 * x + 5 if f["QUAD"] else 2 * x + 6), 0
+        return 2 * x + 5 if f["QUAD"] else 2 * x + 6
     if kernel == "em_backward":
-        coef = (5 if f["QUAD"] else 4) if f.get("NEED_K") else 0
-        return 2 * x + 5 + coef + grads, 0
+        return 2 * x + 5
+    if kernel in ("em_input_grad", "em_weight_grad"):
+        return 4 * x + 5
     raise ValueError(f"no cost model for kernel {kernel!r}")
 
 
@@ -97,7 +93,7 @@ def launch_cost(launch: Any) -> dict[str, Any]:
     that reads no poses, which picks the tensor-core rate)."""
     f = _flags(launch)
     j, b, m, a, c, x = (int(f[k]) for k in ("J", "B", "M", "A", "C", "XD"))
-    per_vote, per_logit = _per_vote(launch.kernel, f)
+    per_vote = _per_vote(launch.kernel, f)
     seen: dict[int, int] = {}
     dtype = "float32"
     names = [t[0] for t in launch.tensors]
@@ -109,7 +105,7 @@ def launch_cost(launch: Any) -> dict[str, Any]:
         seen[ident] = numel * _ITEMSIZE[dt]
         dtype = dt if name == pose else dtype
     votes = j * b * m * a * c
-    flops = per_vote * votes + per_logit * j * b * m * a * x
+    flops = per_vote * votes
     return {"bytes": sum(seen.values()), "flops": flops, "dtype": dtype}
 
 
@@ -127,6 +123,13 @@ def modelled_us(nbytes: float, flops: float, rate: float) -> float:
     a model, not a measurement)."""
     bandwidth = H100["hbm_bytes_per_s"] * H100["hbm_efficiency"]
     return max(nbytes / bandwidth, flops / rate) * 1e6 + H100["launch_us"]
+
+
+def op_us(op: Any) -> float:
+    """Modelled µs of one torch operator of a step (an aot_ops.py ``OpCost``): its bytes at
+    the HBM's rate or its FLOPs at the tensor cores' (matrix products and convolutions) or
+    float32's, whichever is longer, plus a launch (*estimated*)."""
+    return modelled_us(op.bytes, op.flops, flop_rate(op.dtype, op.product)[0])
 
 
 def broken_budgets(row: dict[str, Any]) -> list[str]:

@@ -29,6 +29,7 @@ __all__ = [
     "describe",
     "group_variants",
     "step_summary",
+    "step_table",
     "variant_row",
 ]
 
@@ -69,12 +70,11 @@ def group_variants(captures: Sequence[tuple[dict[str, Any], Sequence[Any]]]) -> 
 
 def describe(launch: Any) -> dict[str, str]:
     """The capsctl pass and direction a launch belongs to: ``{"pass": routed | weighted |
-    gated | em_moments | em_quad, "direction": forward | backward}``."""
+    em_moments | em_quad, "direction": forward | backward}``."""
     family, direction = _KERNELS[launch.kernel]
     flags = dict(launch.constexprs)
     name = {
         "pass": "routed" if flags.get("ROUTED") else "weighted",
-        "gated": "gated",
         "em": "em_quad" if flags.get("QUAD") else "em_moments",
     }[family]
     return {"pass": name, "direction": direction}
@@ -87,10 +87,10 @@ _KERNELS = {
     "pass_backward": ("pass", "backward"),
     "pass_input_grad": ("pass", "backward"),
     "pass_weight_grad": ("pass", "backward"),
-    "gated_forward": ("gated", "forward"),
-    "gated_backward": ("gated", "backward"),
     "em_forward": ("em", "forward"),
     "em_backward": ("em", "backward"),
+    "em_input_grad": ("em", "backward"),
+    "em_weight_grad": ("em", "backward"),
 }
 
 
@@ -197,3 +197,22 @@ def step_summary(variants: Sequence[Variant], rows: Sequence[dict[str, Any]]) ->
                 s["modelled_us"] = round(s["modelled_us"] + us, 2)
                 s["modelled_launches"] += 1
     return sorted(steps.values(), key=lambda s: (s["model"], str(s["schedule"]), s["precision"]))
+
+
+def step_table(steps: Sequence[dict[str, Any]], baseline: dict[str, Any]) -> list[dict]:
+    """The modelled bf16 training steps (*estimated*): each captured step's routing kernels
+    (:func:`step_summary`) plus the rest of its operators (``other_us``, aot_ops.py), against
+    ``baseline`` (ResNet-18's step, modelled from its operators alike); ``complete`` where
+    every launch's variant was compiled."""
+    out = []
+    for s in steps:
+        if s["precision"] != "bf16":
+            continue
+        step = s["modelled_us"] + s["other_us"]
+        out.append({
+            "model": s["model"], "router": s["router"], "schedule": s["schedule"],
+            "routing_us": s["modelled_us"], "other_us": s["other_us"],
+            "step_us": round(step, 2), "vs_baseline": round(step / baseline["modelled_us"], 3),
+            "complete": s["modelled_launches"] == s["launches"],
+        })  # fmt: skip
+    return out

@@ -39,14 +39,6 @@ def _weighted(x: Tensor, w: Tensor, r: Tensor) -> tuple[Tensor, ...]:
     return (torch.einsum("jbm,jbamc->bmac", r, _votes(x, w)),)  # [B, m, a, c]
 
 
-def _gated(act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor) -> tuple[Tensor, ...]:
-    j, bsz, a, xd = x.shape
-    logits = torch.einsum("jbi,jim->jbm", x.reshape(j, bsz, a * xd), wr) + br[:, None]
-    coef = torch.softmax(logits, -1)  # [J, B, m]
-    mass = coef * act.t()[:, :, None]  # [J, B, m]
-    return torch.einsum("jbm,jbamc->bmac", mass, _votes(x, w)), mass.sum(0), coef
-
-
 def _shifted(x: Tensor, w: Tensor, shift: Tensor) -> Tensor:
     return torch.einsum("jbax,jxmc->bjmac", x, w) - shift[:, None]  # [B, J, m, a, c]
 
@@ -97,7 +89,7 @@ def self_test(device: torch.device | str) -> str:
 def _run(device: torch.device | str) -> str:
     try:
         from capsctl.layers.backend.triton.em_ops import triton_em_moments, triton_em_quad
-        from capsctl.layers.backend.triton.ops import triton_gated, triton_routed, triton_weighted
+        from capsctl.layers.backend.triton.ops import triton_routed, triton_weighted
 
         g = torch.Generator().manual_seed(0)
 
@@ -118,9 +110,7 @@ def _run(device: torch.device | str) -> str:
             _compare("routed", triton_routed(*fused, 0.5), _routed(*ref, 0.5), [fused, ref])
             fused, ref = leaves(x, w, r)
             _compare("weighted", (triton_weighted(*fused),), _weighted(*ref), [fused, ref])
-            act, wr, br = rand(bsz, j, positive=True), rand(j, a * xd, m), rand(j, m)
-            fused, ref = leaves(act, x, w, wr, br)
-            _compare("gated", triton_gated(*fused), _gated(*ref), [fused, ref])
+            act = rand(bsz, j, positive=True)
             shift = rand(bsz, m, a, c)
             rb = torch.softmax(rand(bsz, j, m), -1)
             fused, ref = leaves(rb, act, x, w)

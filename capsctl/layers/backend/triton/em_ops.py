@@ -16,20 +16,22 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend.triton import em
-from capsctl.layers.backend.triton.ops import acc_dtype, block_sizes, launch_shape, on_device
+from capsctl.layers.backend.triton.ops import acc_dtype, kernel_meta, on_device
+from capsctl.layers.backend.triton.plan import LaunchPlan, launch_plan
 
 __all__ = ["triton_em_moments", "triton_em_quad"]
 
 
-def _launch(kernel, x: Tensor, w: Tensor, tiling: list[int], args: tuple, **meta) -> None:  # type: ignore[no-untyped-def]
+def _plan(x: Tensor, w: Tensor, tiling: list[int]) -> LaunchPlan:
+    """The launch shapes of kernels.py's passes (plan.py): EM's kernels tile alike."""
     j, bsz, a, xd = x.shape
-    m, c = w.shape[2], w.shape[3]
-    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    blocks = block_sizes(m, a, c, xd if "NEED_X" in meta else 0)
-    with on_device(x):
-        kernel[grid](
-            *args, j, bsz, m, a, c, sb, XD=xd, ACC=acc_dtype(x)[1], BJ=bj, **blocks, **meta
-        )
+    return launch_plan(j, bsz, w.shape[2], a, w.shape[3], xd, x.element_size(), *tiling)
+
+
+def _meta(x: Tensor, w: Tensor, plan: LaunchPlan, quad: bool, *numels: int) -> dict:
+    """The constexprs every EM kernel takes (ops.kernel_meta's, the padded sizes, ``QUAD``)."""
+    meta = kernel_meta(x, w.shape[2], x.shape[2], w.shape[3], plan, *numels) | plan.pads()
+    return meta | {"QUAD": quad}
 
 
 def _forward(
@@ -47,15 +49,22 @@ def _forward(
     m, c = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
     k, act, q, p, x, w, shift = (t.contiguous() for t in (k, act, q, p, x, w, shift))
+    plan = _plan(x, w, tiling)
     if quad:
         o1 = x.new_empty(bsz, j, m, dtype=dt)  # [B, J, m], stored
         o2 = mass = o1  # not written
     else:
-        o1 = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], added
-        o2 = torch.zeros_like(o1)
-        mass = x.new_zeros(bsz, m, dtype=dt)  # [B, m], added
-    args = (x, w, shift, k, act, q, p, o1, o2, mass)
-    _launch(em.em_forward, x, w, tiling, args, QUAD=quad)
+        o1 = x.new_empty(plan.spans, bsz, m, a, c, dtype=dt)  # [spans, B, m, a, c]
+        o2 = torch.empty_like(o1)
+        mass = x.new_empty(plan.spans, bsz, m, dtype=dt)  # [spans, B, m]
+    meta = _meta(x, w, plan, quad, o1.numel(), k.numel())
+    with on_device(x):
+        em.em_forward[plan.grid(bsz)](
+            x, w, shift, k, act, q, p, o1, o2, mass, j, bsz, plan.span, BB=plan.block, **meta,
+            num_warps=plan.warps, num_stages=plan.stages,
+        )  # fmt: skip
+    if not quad:  # the spans' sums
+        o1, o2, mass = (t[0] if plan.spans == 1 else t.sum(0) for t in (o1, o2, mass))
     return o1.to(x.dtype), o2.to(x.dtype), mass.to(x.dtype)
 
 
@@ -78,20 +87,43 @@ def _backward(
     m, c = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
     k, act, g1, g2, gm, x, w, shift = (t.contiguous() for t in (k, act, g1, g2, gm, x, w, shift))
+    plan = _plan(x, w, tiling)
     empty = x.new_zeros(1, dtype=dt)
     if not needs[0]:
         gk = gact = empty
     elif quad:
-        gk = x.new_zeros(bsz, m, a, c, dtype=dt)  # dq [B, m, a, c], added
-        gact = torch.zeros_like(gk)  # dp [B, m, a, c], added
+        gk = x.new_empty(plan.spans, bsz, m, a, c, dtype=dt)  # dq [spans, B, m, a, c]
+        gact = torch.empty_like(gk)  # dp [spans, B, m, a, c]
     else:
         gk = x.new_empty(bsz, j, m, dtype=dt)  # dr [B, J, m], stored
         gact = x.new_empty(bsz, j, dtype=dt)  # dact [B, J], stored
     gx = x.new_empty(j, bsz, a, xd, dtype=dt) if needs[1] else empty  # [J, B, a, x]
-    gw = x.new_zeros(j, xd, m, c, dtype=dt) if needs[2] else empty  # [J, x, m, c]
-    args = (x, w, shift, k, act, g1, g2, gm, gk, gact, gx, gw)
-    meta = {"NEED_K": bool(needs[0]), "NEED_X": bool(needs[1]), "NEED_W": bool(needs[2])}
-    _launch(em.em_backward, x, w, tiling, args, QUAD=quad, **meta)
+    gw = x.new_empty(plan.w_spans, j, xd, m, c, dtype=dt) if needs[2] else empty
+    meta = _meta(x, w, plan, quad, gk.numel(), gw.numel(), k.numel())
+    # dV = k (g1 + 2 U g2): k = r (times act) and g = (gS1, gS2) for the moments, k = gQ and
+    # g = (q, p) for the quadratic form
+    dv_args = (x, w, shift, k, act, g1, g2)
+    with on_device(x):
+        if needs[0]:
+            em.em_backward[plan.grid(bsz)](
+                x, w, shift, k, act, g1, g2, gm, gk, gact, j, bsz, plan.span, BB=plan.block,
+                **meta, num_warps=plan.warps, num_stages=plan.stages,
+            )  # fmt: skip
+        if needs[1]:
+            em.em_input_grad[plan.grid(bsz)](
+                *dv_args, gx, j, bsz, plan.span, BB=plan.block, MB=plan.xv_parents, **meta,
+                num_warps=plan.x_warps, num_stages=plan.stages,
+            )  # fmt: skip
+        if needs[2]:
+            wmeta = {key: v for key, v in meta.items() if key != "MP"}
+            em.em_weight_grad[plan.w_grid(j)](
+                *dv_args, gw, j, bsz, plan.w_span, BB=plan.w_block, MB=plan.w_parents,
+                **wmeta, num_warps=plan.w_warps, num_stages=plan.stages,
+            )  # fmt: skip
+    if needs[0] and quad:
+        gk, gact = (t[0] if plan.spans == 1 else t.sum(0) for t in (gk, gact))
+    if needs[2]:
+        gw = gw[0] if plan.w_spans == 1 else gw.sum(0)  # [J, x, m, c]
     want = (needs[0], needs[0], needs[1], needs[2])
     return tuple(
         g.to(x.dtype) if n else x.new_empty(0)

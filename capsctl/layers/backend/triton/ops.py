@@ -9,14 +9,10 @@ the tests) and CUDA tensors on a GPU.
   capsctl/layers/passes/routed.py (``r`` not differentiable);
 - ``capsctl::triton_weighted(x, w, r) -> s``: the weighted pass of
   capsctl/layers/passes/weighted.py, differentiable in ``x``, ``w`` and ``r``;
-- ``capsctl::triton_gated(act, x, w, wr, br) -> (s, total, coef)``: self-routing's logits,
-  coefficients, mass and mass-weighted vote sum in one pass (capsctl/layers/passes/gated.py's
-  :class:`GatedPass`; ``coef`` not differentiable; the caller divides).
 
 Shapes: ``x[J, B, a, x]``, ``w[J, x, m, c]``, ``p[B, m, a, c]``, ``r[J, B, m]``,
-``s[B, m, a, c]``; ``act[B, J]``, ``wr[J, a*x, m]``, ``br[J, m]``, ``total[B, m]``. Outputs
-have the dtype of ``x`` (coefficients: of the sums); sums run in float32 (float64 for float64
-inputs).
+``s[B, m, a, c]``. Outputs have the dtype of ``x`` (coefficients: of the sums); sums run in
+float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from capsctl.layers.backend.triton import gated, interpreted, kernels
+from capsctl.layers.backend.triton import interpreted, kernels
 from capsctl.layers.backend.triton.plan import LaunchPlan, launch_plan
 
 __all__ = [
@@ -38,7 +34,6 @@ __all__ = [
     "kernel_meta",
     "launch_shape",
     "on_device",
-    "triton_gated",
     "triton_routed",
     "triton_weighted",
 ]
@@ -289,89 +284,3 @@ def triton_weighted(x: Tensor, w: Tensor, r: Tensor, block_j: int = 0, sites: in
     """The weighted pass ``S[B, m, a, c] = sum_J R V`` of ``x[J, B, a, x]``, ``w[J, x, m, c]``
     and ``r[J, B, m]`` as the op ``capsctl::triton_weighted``."""
     return _weighted_op(x, w, r, [block_j, sites])
-
-
-@torch.library.custom_op("capsctl::triton_gated", mutates_args=())
-def _gated_op(
-    act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor, tiling: list[int]
-) -> tuple[Tensor, Tensor, Tensor]:
-    j, bsz, a, xd = x.shape
-    m, c = w.shape[2], w.shape[3]
-    dt, acc = acc_dtype(x)
-    act, x, w, wr, br = (t.contiguous() for t in (act, x, w, wr, br))
-    s = x.new_zeros(bsz, m, a, c, dtype=dt)  # [B, m, a, c], summed atomically
-    total = x.new_zeros(bsz, m, dtype=dt)  # [B, m], summed atomically
-    coef = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m]
-    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    with on_device(x):
-        gated.gated_forward[grid](
-            act, x, w, wr, br, coef, s, total, j, bsz, m, a, c, sb,
-            XD=xd, ACC=acc, BJ=bj, **block_sizes(m, a, c, 0),
-        )  # fmt: skip
-    return s.to(x.dtype), total.to(x.dtype), coef
-
-
-@_gated_op.register_fake
-def _(act, x, w, wr, br, tiling):  # type: ignore[no-untyped-def]
-    j, bsz, a, _ = x.shape
-    m, c = w.shape[2], w.shape[3]
-    coef = x.new_empty(j, bsz, m, dtype=acc_dtype(x)[0])
-    return x.new_empty(bsz, m, a, c), x.new_empty(bsz, m), coef
-
-
-@torch.library.custom_op("capsctl::triton_gated_backward", mutates_args=())
-def _gated_bwd_op(
-    act: Tensor, x: Tensor, w: Tensor, wr: Tensor, coef: Tensor, gs: Tensor, gt: Tensor,
-    tiling: list[int],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    j, bsz, a, xd = x.shape
-    m, c = w.shape[2], w.shape[3]
-    dt, acc = acc_dtype(x)
-    act, x, w, wr, gs, gt = (t.contiguous() for t in (act, x, w, wr, gs, gt))
-    gact = x.new_empty(bsz, j, dtype=dt)  # [B, J], stored
-    gx = x.new_empty(j, bsz, a, xd, dtype=dt)  # [J, B, a, x], stored
-    gw = x.new_zeros(j, xd, m, c, dtype=dt)  # [J, x, m, c], added
-    gwr = x.new_zeros(j, a * xd, m, dtype=dt)  # [J, a*x, m], added
-    gbr = x.new_zeros(j, m, dtype=dt)  # [J, m], added
-    bj, sb, grid = launch_shape(j, bsz, m, a, c, *tiling)
-    with on_device(x):
-        gated.gated_backward[grid](
-            act, x, w, wr, coef, gs, gt, gact, gx, gw, gwr, gbr, j, bsz, m, a, c, sb,
-            XD=xd, ACC=acc, BJ=bj, **block_sizes(m, a, c, xd),
-        )  # fmt: skip
-    return tuple(g.to(x.dtype) for g in (gact, gx, gw, gwr, gbr))
-
-
-@_gated_bwd_op.register_fake
-def _(act, x, w, wr, coef, gs, gt, tiling):  # type: ignore[no-untyped-def]
-    j, m = x.shape[0], w.shape[2]
-    return tuple(torch.empty_like(t) for t in (act, x, w, wr)) + (x.new_empty(j, m),)
-
-
-def _gated_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    act, x, w, wr, _, tiling = inputs
-    ctx.save_for_backward(act, x, w, wr, output[2])
-    ctx.tiling = tiling
-    ctx.mark_non_differentiable(output[2])
-
-
-def _gated_grad(ctx, gs, gt, _gc):  # type: ignore[no-untyped-def]
-    act, x, w, wr, coef = ctx.saved_tensors
-    gs = x.new_zeros(x.shape[1], w.shape[2], x.shape[2], w.shape[3]) if gs is None else gs
-    gt = x.new_zeros(x.shape[1], w.shape[2]) if gt is None else gt
-    grads = _gated_bwd_op(act, x, w, wr, coef, gs, gt, ctx.tiling)
-    return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad, strict=False)), None)
-
-
-_gated_op.register_autograd(_gated_grad, setup_context=_gated_setup)
-
-
-def triton_gated(
-    act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor, block_j: int = 0, sites: int = 0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Self-routing's gated pass of activations ``act[B, J]``, poses ``x[J, B, a, x]``, pose
-    weights ``w[J, x, m, c]``, routing weights ``wr[J, a*x, m]`` and biases ``br[J, m]`` as the
-    op ``capsctl::triton_gated``: the mass-weighted vote sum ``S[B, m, a, c]``, the total mass
-    ``T[B, m]`` and the coefficients ``c[J, B, m]`` (not differentiable); the caller divides
-    (capsctl/layers/passes/gated.py)."""
-    return _gated_op(act, x, w, wr, br, [block_j, sites])

@@ -17,7 +17,9 @@ parent poses, ``x`` child pose width) and the inputs' element size, and gives
   :data:`TILE_PER_THREAD` a thread (16 for dynamic routing's 16-wide poses in float32);
 - for the input-gradient kernel (``dX = dV W^T``, site-major): ``MB`` parents a product, the
   most that keep the weights' block ``[MB*CP, KP]`` and the tile ``[BB, AP, MB, CP]`` within
-  :data:`TILE_PER_THREAD` a thread of 4 warps;
+  :data:`TILE_PER_THREAD` a thread of 4 warps; where the kernel builds the block's votes as
+  well (EM's input gradient: two products a block), ``MB`` keeps the tile within
+  :data:`CHAINED_PER_THREAD` a thread;
 - for the weight-gradient kernel (child-major): ``BB`` sites a block, :data:`W_ROWS` pose rows
   (``BB*AP``: the sum over sites is the product's inner dimension, so at least the MMA's K),
   ``MB`` parents a program (its tile and its ``[KP, MB*CP]`` sum within
@@ -35,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CHAINED_PER_THREAD",
     "MMA_K",
     "PROGRAMS",
     "TILE_PER_THREAD",
@@ -50,6 +53,8 @@ MMA_K = {2: 16, 4: 8, 8: 4}
 PROGRAMS = 264
 #: Elements of one ``[BB, AP, MP, CP]`` tile a thread holds at most.
 TILE_PER_THREAD = 16
+#: Elements a thread holds of a tile whose block chains two products (votes, then ``dX``).
+CHAINED_PER_THREAD = 4
 #: Children a span of the site-major kernels keeps at least (the span's sum is written once).
 MIN_SPAN = 8
 #: Pose rows ``(b, a)`` a block of the weight-gradient kernel sums over (its product's K).
@@ -80,6 +85,7 @@ class LaunchPlan:
     warps: int
     x_parents: int  # MB: parents a product of the input-gradient kernel sums over
     x_warps: int
+    xv_parents: int  # MB of an input-gradient kernel that builds the block's votes too
     w_block: int  # BB of the weight-gradient kernel
     w_parents: int  # MB: parents a program of the weight-gradient kernel owns
     w_span: int  # BN: sites a program of the weight-gradient kernel loops over
@@ -141,6 +147,9 @@ def launch_plan(
     while xmb > 1 and (xmb * cp * kp * itemsize // 4 > room or bb * ap * xmb * cp > room):
         xmb //= 2
     x_warps = _warps_for(max(bb * ap * xmb * cp, xmb * cp * kp * itemsize // 4))
+    xvmb = xmb
+    while xvmb > 1 and bb * ap * xvmb * cp > CHAINED_PER_THREAD * 32 * x_warps:
+        xvmb //= 2
     blocks = _cdiv(bsz, bb)
     if span:
         jn = span
@@ -160,6 +169,7 @@ def launch_plan(
     w_warps = _warps_for(max(w_block * ap * mb * cp, kp * mb * cp))
     return LaunchPlan(
         kp=kp, ap=ap, mp=mp, cp=cp, block=bb, span=jn, spans=_cdiv(j, jn), warps=warps,
-        x_parents=xmb, x_warps=x_warps, w_block=w_block, w_parents=mb, w_span=w_span,
+        x_parents=xmb, x_warps=x_warps, xv_parents=xvmb,
+        w_block=w_block, w_parents=mb, w_span=w_span,
         w_spans=_cdiv(bsz, w_span), w_warps=w_warps,
     )  # fmt: skip
