@@ -15,8 +15,11 @@ Every pass of capsctl/layers/passes/ has up to four implementations of the same 
   and ``torch.compile`` where no fused pass runs: the chunked code loops over the batch in
   Python, which tracing would unroll and specialize to one batch size.
 
-A pass asks :func:`choose` with its tensors and runs what it says; :attr:`Choice.reason`
-says why no faster backend runs. :func:`use` picks one inside a block: ``use("dense")`` for
+A pass asks :func:`choose` once with its tensors and gets its whole plan, a :class:`Choice`:
+the backend, why no faster one runs (:attr:`Choice.reason`), the parent sites per tile fixed
+by :func:`use`, and the dtype it runs in (under autocast, 16-bit where the Triton kernels
+take it). It hands the choice on to its chunked autograd function, whose forward and backward
+run what it says without asking again. :func:`use` picks one inside a block: ``use("dense")`` for
 export (ONNX, torch.export), ``use("chunked")`` for the torch code instead of the compiled
 loops or the Triton kernels (tests, comparisons; ``sites=`` also fixes the parent sites per
 tile of the chunked passes), ``use("triton")`` for the Triton kernels on a CPU under
@@ -98,11 +101,14 @@ def _blocks() -> _Blocks:
 class Choice:
     """The implementation a pass runs: ``backend`` (one of :data:`BACKENDS`); ``reason``: why
     no faster backend runs ("" for ``native``); ``sites``: parent sites per tile of a chunked
-    pass fixed by :func:`use` (0: by the chunk budget of capsctl/layers/backend/chunks.py)."""
+    pass fixed by :func:`use` (0: by the chunk budget of capsctl/layers/backend/chunks.py);
+    ``dtype``: the dtype the pass runs in where :func:`choose` was given an autocast dtype
+    (None: its inputs' own)."""
 
     backend: str
     reason: str = ""
     sites: int = 0
+    dtype: torch.dtype | None = None
 
 
 @contextlib.contextmanager
@@ -159,26 +165,29 @@ def _self_test(device: str) -> str:
     return self_test(device)
 
 
-def _triton_reason(tensors: tuple[Tensor, ...]) -> str:
+# what a backend is decided on: each input's device and dtype
+_Spec = tuple[torch.device, torch.dtype]
+
+
+def _triton_reason(specs: list[_Spec]) -> str:
     """Why the Triton kernels cannot run this pass ("" where they do)."""
-    device = tensors[0].device
+    device = specs[0][0]
     if device.type == "cpu" and not _blocks().triton:
         return 'the Triton kernels run on CUDA devices (on a CPU only inside use("triton"))'
-    if any(t.device != device for t in tensors):
+    if any(dev != device for dev, _ in specs):
         return "the tensors are on several devices"
-    if not all(t.dtype in _TRITON_DTYPES for t in tensors):
+    if not all(dt in _TRITON_DTYPES for _, dt in specs):
         return "the Triton kernels take floating-point tensors"
     return triton_status(device)
 
 
 def takes_triton(*tensors: Tensor) -> bool:
     """Whether a pass over ``tensors`` would run as the fused Triton kernels (no export, trace
-    or ``use("chunked")`` in the way): the passes that may then take 16-bit inputs under
-    autocast."""
+    or ``use("chunked")`` in the way)."""
     blocks = _blocks()
     if blocks.dense or blocks.chunked or torch.jit.is_tracing():
         return False
-    return not _triton_reason(tensors)
+    return not _triton_reason([(t.device, t.dtype) for t in tensors])
 
 
 def _chosen(choice: Choice) -> Choice:
@@ -186,27 +195,37 @@ def _chosen(choice: Choice) -> Choice:
     return choice
 
 
-def choose(*tensors: Tensor) -> Choice:
-    """The backend of a pass over ``tensors`` (its inputs, as the pass will read them), counted
-    in :func:`ran`."""
-    return _chosen(_decide(*tensors))
+def choose(*tensors: Tensor, autocast: torch.dtype | None = None) -> Choice:
+    """The plan of one pass over ``tensors`` (its inputs, as the pass will read them), counted
+    in :func:`ran`: a pass asks once and hands the answer on. ``autocast``: the 16-bit dtype
+    of an autocast block the pass runs in; the choice's ``dtype`` then says what to cast the
+    inputs to (that dtype where the Triton kernels take it, else float32)."""
+    specs = [(t.device, t.dtype) for t in tensors]
+    if autocast is None:
+        return _chosen(_decide(specs))
+    low = _decide([(dev, autocast) for dev, _ in specs])
+    if low.backend == "triton":
+        return _chosen(replace(low, dtype=autocast))
+    return _chosen(
+        replace(_decide([(dev, torch.float32) for dev, _ in specs]), dtype=torch.float32)
+    )
 
 
 def expected(device: torch.device | str) -> Choice:
     """The backend a float32 pass on ``device`` runs outside any :func:`use` block, and why no
     faster one does (for the training header and ``capsctl bench``); not counted in
     :func:`ran`."""
-    return _decide(torch.empty(0, device=device))
+    return _decide([(torch.device(device), torch.float32)])
 
 
-def _decide(*tensors: Tensor) -> Choice:
-    """The backend of a pass over ``tensors`` (see :func:`choose`)."""
+def _decide(specs: list[_Spec]) -> Choice:
+    """The backend of a pass over inputs of these devices and dtypes (see :func:`choose`)."""
     blocks = _blocks()
     if blocks.dense:
         return Choice("dense", 'inside use("dense") (export)')
     sites = blocks.sites
-    on_cpu = tensors[0].device.type == "cpu"
-    why_not_triton = _triton_reason(tensors)
+    on_cpu = specs[0][0].type == "cpu"
+    why_not_triton = _triton_reason(specs)
     if torch.compiler.is_compiling():
         if not why_not_triton and not blocks.chunked:
             return Choice("triton")  # custom ops: compile keeps the fused pass
@@ -217,7 +236,7 @@ def _decide(*tensors: Tensor) -> Choice:
         return Choice("chunked", 'inside use("chunked")', sites)
     if not why_not_triton:
         return Choice("triton")
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+    if not all(dev.type == "cpu" and dt == torch.float32 for dev, dt in specs):
         reason = "the compiled loops take float32 tensors on a CPU only"
         if not on_cpu:
             reason = why_not_triton

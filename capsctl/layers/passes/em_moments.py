@@ -30,6 +30,7 @@ them; ``[B, m, J]`` put them ``J`` floats apart, which cost the loops 10-30% of 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
-from capsctl.layers.backend.dispatch import choose, run_fused
+from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 
 __all__ = ["EM_CHUNK_BYTES", "VoteMoments", "VoteQuad", "vote_moments", "vote_quad", "vote_shift"]
 
@@ -150,6 +151,12 @@ def _weighted(r: Tensor, a: Tensor, b0: int, b1: int) -> Tensor:
     return (r[b0:b1] * a[b0:b1].unsqueeze(-1)).transpose(0, 1).contiguous()  # [J, Bc, m]
 
 
+def _grads(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The tensor inputs' gradients, then None for each further input ``apply`` was given
+    (the shift; the choice where one was passed)."""
+    return (*grads, *[None] * (len(ctx.needs_input_grad) - len(grads)))
+
+
 class VoteMoments(torch.autograd.Function):
     """``(r[B, J, m], a[B, J], x[J, B, a, x], wc[J, x, c*m], shift[B, d, m])`` ->
     ``S[2, B, d, m]``: ``sum_J r a (V - s)`` and ``sum_J r a (V - s)^2``, the M-step's moments
@@ -162,8 +169,17 @@ class VoteMoments(torch.autograd.Function):
     site, and its gradient was another assignment-sized tensor to add."""
 
     @staticmethod
-    def forward(ctx, r: Tensor, a: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> tuple:  # type: ignore[override]
-        choice = choose(r, a, x, wc, shift)
+    def forward(  # type: ignore[override]
+        ctx,
+        r: Tensor,
+        a: Tensor,
+        x: Tensor,
+        wc: Tensor,
+        shift: Tensor,
+        choice: Choice | None = None,
+    ) -> tuple:
+        choice = choice or choose(r, a, x, wc, shift)  # asked once: the backward runs it too
+        ctx.choice = choice
         if choice.backend == "native":
             r, a = r.contiguous(), a.contiguous()  # [B, J, m], [B, J]
             ctx.save_for_backward(r, a, x, wc, shift)
@@ -186,12 +202,12 @@ class VoteMoments(torch.autograd.Function):
     def backward(ctx, gs: Tensor, gm: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         r, a, x, wc, shift = ctx.saved_tensors
         gm = gm.squeeze(-1).contiguous()  # [B, m]
-        choice = choose(r, a, x, wc, shift, gs)
+        choice = ctx.choice
         if choice.backend == "native":
             r, a, gs = r.contiguous(), a.contiguous(), gs.contiguous()
             needs = tuple(ctx.needs_input_grad[:4])
             gr, ga, gx, gw = bindings.em_moments_backward(x, wc, shift, r, a, gs, gm, needs)  # type: ignore[arg-type]
-            return gr, ga, gx, gw, None
+            return _grads(ctx, gr, ga, gx, gw)
         votes = _Votes(x, wc, shift, choice.sites)
         gr = r.new_empty(r.shape) if ctx.needs_input_grad[0] else None  # [B, J, m]
         ga = torch.empty_like(a) if ctx.needs_input_grad[1] else None  # [B, J]
@@ -215,7 +231,7 @@ class VoteMoments(torch.autograd.Function):
             votes.backprop(dv, b0, b1, gx, gws[i] if gws else None)
 
         votes.run(chunk)
-        return gr, ga, gx, _sum_gw(gws), None
+        return _grads(ctx, gr, ga, gx, _sum_gw(gws))
 
 
 class VoteQuad(torch.autograd.Function):
@@ -224,9 +240,12 @@ class VoteQuad(torch.autograd.Function):
     ``[J, Bc, m]`` is written transposed). Saves no vote-sized tensor."""
 
     @staticmethod
-    def forward(ctx, qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor, choice: Choice | None = None
+    ) -> Tensor:
         qp = qp.contiguous()  # [2, B, d, m]
-        choice = choose(qp, x, wc, shift)
+        choice = choice or choose(qp, x, wc, shift)  # asked once: the backward runs it too
+        ctx.choice = choice
         if choice.backend == "native":
             ctx.save_for_backward(qp, x, wc, shift)
             return bindings.em_quad_forward(x, wc, shift, qp)  # [B, J, m]
@@ -245,11 +264,11 @@ class VoteQuad(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gq: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         qp, x, wc, shift = ctx.saved_tensors
-        choice = choose(qp, x, wc, shift, gq)
+        choice = ctx.choice
         if choice.backend == "native":
             needs = tuple(ctx.needs_input_grad[:3])
             gqp, gx, gw = bindings.em_quad_backward(x, wc, shift, qp, gq.contiguous(), needs)  # type: ignore[arg-type]
-            return gqp, gx, gw, None
+            return _grads(ctx, gqp, gx, gw)
         votes = _Votes(x, wc, shift, choice.sites)
         gqp = torch.empty_like(qp) if ctx.needs_input_grad[0] else None  # [2, B, d, m]
         gx, gws = _grad_buffers(votes, ctx.needs_input_grad[1:3])
@@ -267,7 +286,7 @@ class VoteQuad(torch.autograd.Function):
             votes.backprop(dv, b0, b1, gx, gws[i] if gws else None)
 
         votes.run(chunk)
-        return gqp, gx, _sum_gw(gws), None
+        return _grads(ctx, gqp, gx, _sum_gw(gws))
 
 
 def _pose_layout(t: Tensor, a: int, m: int) -> Tensor:
@@ -281,11 +300,13 @@ def vote_moments(
     """:class:`VoteMoments` (``S[2, B, d, m]`` and the mass ``[B, m, 1]``) on the backend
     capsctl/layers/backend/dispatch.py chooses: the fused Triton kernel on a GPU (the same
     sums in its layouts), else the chunked pass (compiled loops or torch code)."""
-    if choose(r, a, x, wc, shift).backend == "triton":
+    choice = choose(r, a, x, wc, shift)
+    if choice.backend == "triton":
         fused = run_fused("em_moments", _triton_moments, r, a, x, wc, shift)
         if fused is not None:
             return fused
-    return VoteMoments.apply(r, a, x, wc, shift)
+        choice = Choice("chunked", "the Triton kernel failed at these shapes")
+    return VoteMoments.apply(r, a, x, wc, shift, choice)
 
 
 def _triton_moments(
@@ -305,11 +326,13 @@ def _triton_moments(
 def vote_quad(qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:
     """:class:`VoteQuad` (``Q[B, J, m]``) on the backend dispatch.py chooses (the fused Triton
     kernel on a GPU, else the chunked pass)."""
-    if choose(qp, x, wc, shift).backend == "triton":
+    choice = choose(qp, x, wc, shift)
+    if choice.backend == "triton":
         fused = run_fused("em_quad", _triton_quad, qp, x, wc, shift)
         if fused is not None:
             return fused
-    return VoteQuad.apply(qp, x, wc, shift)
+        choice = Choice("chunked", "the Triton kernel failed at these shapes")
+    return VoteQuad.apply(qp, x, wc, shift, choice)
 
 
 def _triton_quad(qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:

@@ -125,8 +125,8 @@ def gated_pass(
     the Triton weighted pass (capsctl/layers/backend/triton/kernels.py): the coefficients
     depend on the child alone, so no kernel of self-routing's own is needed."""
     j, bsz, a, xd = x.shape
-    backend = choose(act, x, w, wr, br).backend if chunk_sites is None else "chunked"
-    if backend == "native":
+    choice = choose(act, x, w, wr, br) if chunk_sites is None else None  # asked once
+    if choice is not None and choice.backend == "native":
         m, c = w.shape[2], w.shape[3]
         add_routing_flops(2 * j * bsz * a * xd * m)  # the logits (a matrix product in the pass)
         add_routing_flops(2 * j * bsz * m * a * c)  # the weighted sum
@@ -136,6 +136,6 @@ def gated_pass(
     logits = routing_logits(x.reshape(j, bsz, a * xd), wr, br)  # [J, B, m]
     coef, mass = gate(logits, act)  # [J, B, m] each
     total = mass.sum(0)  # [B, m]: sum_i c_ij a_i
-    u = weighted_pass(x, w, mass, chunk_sites)  # [B, m, a, c]
+    u = weighted_pass(x, w, mass, chunk_sites, choice)  # [B, m, a, c]
     u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
     return u, parent_activations(total, act), coef.detach()

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans
-from capsctl.layers.backend.dispatch import choose, run_fused, takes_triton
+from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
@@ -82,14 +82,16 @@ def routed_pass_reference(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tupl
     return s, r
 
 
-def _chunked_forward(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``S[B, m, a, c]`` and ``R[J, B, m]``, tile by tile (no autograd)."""
+def _chunked_forward(
+    x: Tensor, w: Tensor, p: Tensor, scale: float, choice: Choice
+) -> tuple[Tensor, Tensor]:
+    """``S[B, m, a, c]`` and ``R[J, B, m]``, tile by tile (no autograd), on the compiled loops
+    or the torch code as ``choice`` says."""
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
     x, wc = prepare(x, w)
     pq = site_major(p, scale)  # [B, d, m], the agreement's scale folded in (new storage)
-    choice = choose(x, wc, pq)
     if choice.backend == "native":
         sn, rn = bindings.routed_forward(x, wc, pq, c)  # [B, d, m], [J, B, m]
         return parent_major(sn, a, c), rn
@@ -143,17 +145,24 @@ def _tile_backward(
 
 
 def _chunked_backward(
-    x: Tensor, w: Tensor, p: Tensor, r: Tensor, gs: Tensor, scale: float, needs: tuple[bool, ...]
+    x: Tensor,
+    w: Tensor,
+    p: Tensor,
+    r: Tensor,
+    gs: Tensor,
+    scale: float,
+    needs: tuple[bool, ...],
+    choice: Choice,
 ) -> tuple[Tensor | None, ...]:
     """Gradients of ``X``, ``W`` and ``P`` from ``gs = d loss / d S``, recomputing the votes
-    tile by tile. ``needs``: which of the three need a gradient."""
+    tile by tile, on the backend the forward pass's ``choice`` says. ``needs``: which of the
+    three need a gradient."""
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
     x, wc = prepare(x, w)
     pq = site_major(p, scale)  # [B, d, m]; d logits / d votes = scale * P (new storage)
     gq = site_major(gs)  # [B, d, m]
-    choice = choose(x, wc, pq, r, gq)
     if choice.backend == "native":
         gx, gwc, gpq = bindings.routed_backward(x, wc, pq, r, gq, c, needs[:3])
         return _native_grads(gx, gwc, gpq, a, c, scale)
@@ -194,13 +203,16 @@ def _native_grads(
 
 
 class ChunkedRoutedPass(torch.autograd.Function):
-    """Autograd function for one routed pass; recomputes votes chunk by chunk in backward."""
+    """Autograd function for one routed pass; recomputes votes chunk by chunk in backward, on
+    the backend its forward pass was given (``choice``, asked once by :func:`routed_pass`)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        s, r = _chunked_forward(x, w, p, scale)
+    def forward(  # type: ignore[override]
+        ctx, x: Tensor, w: Tensor, p: Tensor, scale: float, choice: Choice
+    ) -> tuple[Tensor, Tensor]:
+        s, r = _chunked_forward(x, w, p, scale, choice)
         ctx.save_for_backward(x, w, p, r)
-        ctx.scale = scale
+        ctx.scale, ctx.choice = scale, choice
         ctx.mark_non_differentiable(r)
         ctx.set_materialize_grads(False)  # no zero gradient of R (as large as R) is built
         return s, r
@@ -208,10 +220,11 @@ class ChunkedRoutedPass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gs: Tensor | None, _gr: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         if gs is None:
-            return None, None, None, None
+            return None, None, None, None, None
         x, w, p, r = ctx.saved_tensors
-        gx, gw, gp = _chunked_backward(x, w, p, r, gs, ctx.scale, ctx.needs_input_grad[:3])
-        return gx, gw, gp, None
+        needs = ctx.needs_input_grad[:3]
+        gx, gw, gp = _chunked_backward(x, w, p, r, gs, ctx.scale, needs, ctx.choice)
+        return gx, gw, gp, None, None
 
 
 def routed_pass_dense(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -238,29 +251,33 @@ def _triton_routed(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tenso
     return triton_routed(x, w, p, scale)
 
 
-def routed_pass(x: Tensor, w: Tensor, p: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def routed_pass(
+    x: Tensor, w: Tensor, p: Tensor, scale: float, choice: Choice | None = None
+) -> tuple[Tensor, Tensor]:
     """One routed pass. ``x[J, B, a, x]``, ``w[J, x, m, c]``, ``p[B, m, a, c]``.
 
     Returns ``S[B, m, a, c]`` (the coefficient-weighted sum of votes, before dropout and
-    LayerNorm) and the coefficients ``R[J, B, m]`` (detached).
+    LayerNorm) and the coefficients ``R[J, B, m]`` (detached). ``choice``: the pass's plan, if
+    the caller asked capsctl/layers/backend/dispatch.py already (else it is asked here, once).
     """
     j, bsz, a, _ = x.shape
     # the agreement and the weighted sum: J*B*m*d multiply-accumulates each
     add_routing_flops(2 * 2 * j * bsz * w.shape[2] * a * w.shape[3])
-    backend = choose(x, w, p).backend
-    if backend == "dense":
+    choice = choice or choose(x, w, p)
+    if choice.backend == "dense":
         s, r = routed_pass_dense(x, w, p, scale)
         return s, r.detach()
-    if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
+    if choice.backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
         fused = run_fused("routed", functools.partial(_triton_routed, scale=scale), x, w, p)
         if fused is not None:
             s, r = fused  # [B, m, a, c], [J, B, m] (not differentiable)
             return s, r.to(x.dtype)
+        choice = Choice("chunked", "the Triton kernel failed at these shapes")
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
-        s, r = ChunkedRoutedPass.apply(x, w, p, scale)
+        s, r = ChunkedRoutedPass.apply(x, w, p, scale, choice)
         return s, r
     with torch.no_grad():
-        return _chunked_forward(x, w, p, scale)
+        return _chunked_forward(x, w, p, scale, choice)
 
 
 def routed_pass_under_autocast(
@@ -273,9 +290,7 @@ def routed_pass_under_autocast(
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return routed_pass(x, w, p, scale)
-    low = torch.get_autocast_dtype(device)
-    cast = (x.to(low), w.to(low), p.to(low))
+    choice = choose(x, w, p, autocast=torch.get_autocast_dtype(device))
+    dt = choice.dtype
     with torch.autocast(device_type=device, enabled=False):
-        if takes_triton(*cast):
-            return routed_pass(*cast, scale)
-        return routed_pass(x.float(), w.float(), p.float(), scale)
+        return routed_pass(x.to(dt), w.to(dt), p.to(dt), scale, choice)

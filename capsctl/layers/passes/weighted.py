@@ -15,7 +15,7 @@ from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans
-from capsctl.layers.backend.dispatch import choose, run_fused
+from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
@@ -31,17 +31,17 @@ from capsctl.layers.passes.tiles import (
 __all__ = ["ChunkedWeightedPass", "weighted_pass", "weighted_pass_dense"]
 
 
-def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Tensor:
-    """``S[B, m, a, c] = sum_J R V``, tile by tile (no autograd)."""
+def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, choice: Choice) -> Tensor:
+    """``S[B, m, a, c] = sum_J R V``, tile by tile (no autograd), on the compiled loops or the
+    torch code as ``choice`` says."""
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
     x, wc = prepare(x, w)
-    choice = choose(x, wc, r)
-    if sites is None and choice.backend == "native":
+    if choice.backend == "native":
         return parent_major(bindings.weighted_forward(x, wc, r.contiguous(), c), a, c)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
-    jc, bc, spans = plan(x, m, d, sites or choice.sites or None)
+    jc, bc, spans = plan(x, m, d, choice.sites or None)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -57,20 +57,20 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Ten
 
 
 def _weighted_backward(
-    x: Tensor, w: Tensor, r: Tensor, gs: Tensor, sites: int | None, needs: tuple[bool, ...]
+    x: Tensor, w: Tensor, r: Tensor, gs: Tensor, choice: Choice, needs: tuple[bool, ...]
 ) -> tuple[Tensor | None, ...]:
     """Gradients of ``X``, ``W`` and ``R`` from ``gs = d loss / d S``: ``dR = sum_d V G``,
-    ``dV = R G``, ``dX = dV W^T``, ``dW = X^T dV``, recomputing the votes tile by tile."""
+    ``dV = R G``, ``dX = dV W^T``, ``dW = X^T dV``, recomputing the votes tile by tile, on
+    the backend the forward pass's ``choice`` says."""
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
     d = a * c
     x, wc = prepare(x, w)
     gq = site_major(gs)  # [B, d, m]
-    choice = choose(x, wc, r, gq)
-    if sites is None and choice.backend == "native":
+    if choice.backend == "native":
         gx, gwc, gr = bindings.weighted_backward(x, wc, r.contiguous(), gq, c, needs[:3])
         return gx, unprepare_weights(gwc, c), gr  # gw: [J, x, m, c]
-    jc, bc, spans = plan(x, m, d, sites or choice.sites or None)
+    jc, bc, spans = plan(x, m, d, choice.sites or None)
     acc = Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]
     wcs = wc.split(jc)  # [Jc, x, c*m] each
@@ -101,18 +101,19 @@ def _weighted_backward(
 
 
 class ChunkedWeightedPass(torch.autograd.Function):
-    """Autograd function for :func:`weighted_pass`; recomputes votes tile by tile in backward."""
+    """Autograd function for :func:`weighted_pass`; recomputes votes tile by tile in backward,
+    on the backend its forward pass was given (``choice``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, r: Tensor, sites: int | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, w: Tensor, r: Tensor, choice: Choice) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w, r)
-        ctx.sites = sites
-        return _weighted_forward(x, w, r, sites)
+        ctx.choice = choice
+        return _weighted_forward(x, w, r, choice)
 
     @staticmethod
     def backward(ctx, gs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, w, r = ctx.saved_tensors
-        gx, gw, gr = _weighted_backward(x, w, r, gs, ctx.sites, ctx.needs_input_grad[:3])
+        gx, gw, gr = _weighted_backward(x, w, r, gs, ctx.choice, ctx.needs_input_grad[:3])
         return gx, gw, gr, None
 
 
@@ -132,22 +133,29 @@ def _triton_weighted(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
     return triton_weighted(x, w, r)
 
 
-def weighted_pass(x: Tensor, w: Tensor, r: Tensor, sites: int | None = None) -> Tensor:
+def weighted_pass(
+    x: Tensor, w: Tensor, r: Tensor, sites: int | None = None, choice: Choice | None = None
+) -> Tensor:
     """The votes of ``x[J, B, a, x]`` under ``w[J, x, m, c]`` summed over the children with the
     coefficients ``r[J, B, m]``: ``S[B, m, a, c] = sum_J R V``, differentiable in all three, the
     votes never kept (for routings whose coefficients do not depend on the votes, such as
-    self-routing). ``sites``: parent sites per tile (None: by
-    ``capsctl.layers.passes.tiles.tile_budget``)."""
+    self-routing). ``sites``: parent sites per tile of the torch code (None: by
+    ``capsctl.layers.passes.tiles.tile_budget``; given, the torch code runs where the compiled
+    loops would). ``choice``: the pass's plan, if the caller asked
+    capsctl/layers/backend/dispatch.py already (else it is asked here, once)."""
     j, bsz, a, _ = x.shape
     add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
-    backend = choose(x, w, r).backend
-    if backend == "dense":
+    choice = choice or choose(x, w, r)
+    if choice.backend == "dense":
         return weighted_pass_dense(x, w, r)
-    if backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
+    if choice.backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
         fused = run_fused("weighted", _triton_weighted, x, w, r)
         if fused is not None:
             return fused  # [B, m, a, c]
+        choice = Choice("chunked", "the Triton kernel failed at these shapes")
+    if sites is not None:
+        choice = Choice("chunked", "parent sites per tile fixed by the caller", sites)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or r.requires_grad):
-        return ChunkedWeightedPass.apply(x, w, r, sites)
+        return ChunkedWeightedPass.apply(x, w, r, choice)
     with torch.no_grad():
-        return _weighted_forward(x, w, r, sites)
+        return _weighted_forward(x, w, r, choice)

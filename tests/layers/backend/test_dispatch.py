@@ -135,3 +135,54 @@ def test_the_training_header_says_how_the_routing_runs(
     code, _, err = run_cli(capsys, cnn)
     assert code == 0, err
     assert "routing:" not in err  # no capsules, no routing line
+
+
+def _one_pass_each() -> dict:
+    """Each vote-sized pass, as a function running it forward and backward on small inputs
+    (float32 on the CPU: the compiled loops where they are built, else the torch code)."""
+    from capsctl.layers.passes.em_moments import vote_moments, vote_quad
+    from capsctl.layers.passes.gated import gated_pass
+    from capsctl.layers.passes.routed import routed_pass, routed_pass_under_autocast
+    from capsctl.layers.passes.weighted import weighted_pass
+
+    g = torch.Generator().manual_seed(0)
+
+    def leaves(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+        return [torch.rand(*s, generator=g).requires_grad_() for s in shapes]
+
+    x, w, p, r = leaves((5, 3, 4, 4), (5, 4, 3, 4), (3, 3, 4, 4), (5, 3, 3))
+    act, wr, br = leaves((3, 5), (5, 16, 3), (5, 3))
+    ra, ae, wc, qp = leaves((3, 5, 3), (3, 5), (5, 4, 12), (2, 3, 16, 3))
+    shift = torch.zeros(3, 16, 3)
+
+    def autocast() -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return [routed_pass_under_autocast(x, w, p, 0.5)[0]]
+
+    return {
+        "routed": lambda: [routed_pass(x, w, p, 0.5)[0]],
+        "routed under autocast": autocast,
+        "weighted": lambda: [weighted_pass(x, w, r)],
+        "gated": lambda: list(gated_pass(act, x, w, wr, br)[:2]),
+        "em moments": lambda: list(vote_moments(ra, ae, x, wc, shift)),
+        "em quadratic form": lambda: [vote_quad(qp, x, wc, shift)],
+    }
+
+
+@pytest.mark.parametrize("name", list(_one_pass_each()))
+def test_a_pass_asks_the_dispatch_once_for_its_forward_and_backward(name: str) -> None:
+    run = _one_pass_each()[name]
+    dispatch.reset_ran()
+    outs = run()
+    sum(o.float().sum() for o in outs).backward()
+    assert sum(dispatch.ran().values()) == 1, dispatch.ran()
+
+
+def test_under_autocast_the_choice_says_the_dtype_to_run_in() -> None:
+    x = torch.zeros(2)
+    with dispatch.use("triton"):  # the Triton kernels take 16-bit inputs
+        assert dispatch.choose(x, autocast=torch.bfloat16).dtype == torch.bfloat16
+    with dispatch.use("chunked"):  # the torch code runs in float32
+        choice = dispatch.choose(x, autocast=torch.bfloat16)
+    assert choice.backend == "chunked" and choice.dtype == torch.float32
+    assert dispatch.choose(x).dtype is None  # no autocast: the inputs' own

@@ -145,7 +145,11 @@ def test_float32_passes_match_the_torch_passes(shape: tuple[int, ...]) -> None:
     s, rt = triton_routed(xs, ws, ps, scale, **tiles)
     assert s.dtype == torch.float32 and rt.dtype == torch.float32
     got = _grads(s, (xs, ws, ps))
-    for torch_pass in (routed_pass_dense, lambda *t: ChunkedRoutedPass.apply(*t)):
+
+    def chunked(*t):  # type: ignore[no-untyped-def]
+        return ChunkedRoutedPass.apply(*t, dispatch.choose(*t[:3]))
+
+    for torch_pass in (routed_pass_dense, chunked):
         xe, we, pe = _leaves(x, w, p)
         with dispatch.use("chunked", sites=2):  # the torch code, forward and backward
             s_ref, r_ref = torch_pass(xe, we, pe, scale)
@@ -157,7 +161,8 @@ def test_float32_passes_match_the_torch_passes(shape: tuple[int, ...]) -> None:
     xs, ws, rs = _leaves(x, w, r)
     s = triton_weighted(xs, ws, rs, **tiles)
     got = _grads(s, (xs, ws, rs))
-    for torch_pass in (weighted_pass_dense, lambda *t: ChunkedWeightedPass.apply(*t, 2)):
+    chunked = dispatch.Choice("chunked", sites=2)
+    for torch_pass in (weighted_pass_dense, lambda *t: ChunkedWeightedPass.apply(*t, chunked)):
         xe, we, re = _leaves(x, w, r)
         with dispatch.use("chunked"):
             s_ref = torch_pass(xe, we, re)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from capsctl.layers.algorithm import Capsules
+from capsctl.layers.backend.dispatch import choose
 from capsctl.layers.capsules import ConvCapsules, FCCapsules
 from capsctl.layers.passes.routed import ChunkedRoutedPass, routed_pass, routed_pass_reference
 from capsctl.models.capsnet import CapsNet
@@ -239,7 +240,7 @@ def test_routed_pass_gradcheck(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(5, 3, 3, 2, dtype=torch.float64, requires_grad=True)
     p = torch.randn(4, 3, 2, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x, w, p: ChunkedRoutedPass.apply(x, w, p, 0.7)[0], (x, w, p)
+        lambda x, w, p: ChunkedRoutedPass.apply(x, w, p, 0.7, choose(x, w, p))[0], (x, w, p)
     )
 
 
@@ -490,7 +491,7 @@ def test_routed_pass_gradcheck_in_any_layout(m: int, layout: str) -> None:
     torch.manual_seed(12)
     x, w, p = (t.requires_grad_(True) for t in _pass_inputs(m, layout))
     assert torch.autograd.gradcheck(
-        lambda x, w, p: ChunkedRoutedPass.apply(x, w, p, 0.7)[0], (x, w, p)
+        lambda x, w, p: ChunkedRoutedPass.apply(x, w, p, 0.7, choose(x, w, p))[0], (x, w, p)
     )
 
 
