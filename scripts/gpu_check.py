@@ -1,6 +1,6 @@
 """GPU check: every routing algorithm's fused passes against the torch code, their training step
 and peak memory against ResNet-18 (eager and compiled), and the paper's model trained against
-the clock, in parts that each fit in one 10-minute command on a borrowed GPU machine.
+the clock: one command within 8 minutes on a fresh GPU machine, Triton's compiles included.
 
 Here, once: build the CIFAR-10 subset that travels with the code (the GPU machine has no
 CIFAR-10 and no network): 15,000 class-balanced training images and the 1,000 exact test
@@ -8,14 +8,13 @@ images, about 43 MiB in ``gpu-data/`` (ignored by git; scripts/make_gpu_check_da
 
     python scripts/make_gpu_check_data.py --data /path/to/data    # or with $CAPSCTL_DATA set
 
-On the GPU machine, from the repository's root, with ``gpu-data`` carried along (capsctl is
-not installed there and needs not be: its torch, triton, typer, rich, pyyaml and safetensors
-are used as they are; nothing is downloaded; the part files go to ``--out``):
+On the GPU machine, from the repository's root, with ``gpu-data`` carried along. It needs
+torch with CUDA, triton and torchvision, and capsctl's own dependencies (typer, rich, pyyaml,
+safetensors), used as they are; capsctl itself is not installed there and needs not be: run
+it from the tree with ``PYTHONPATH=.``. Nothing is downloaded; the part files go to ``--out``:
 
-    PYTHONPATH=. python scripts/gpu_check.py --part check --part bench --out $OUT  # ~4-6 min
-    PYTHONPATH=. python scripts/gpu_check.py --part train --minutes 4 --data-dir gpu-data \
-        --out $OUT                                                                 # ~5 min
-    PYTHONPATH=. python scripts/gpu_check.py --part compile --out $OUT             # <= 8 min
+    PYTHONPATH=. python scripts/gpu_check.py --plan          # each part's budget: <= 8 min
+    PYTHONPATH=. python scripts/gpu_check.py --data-dir gpu-data --out $OUT
 
 Anywhere: ``python scripts/gpu_check.py --summary DIR`` prints the markdown tables of the part
 files in DIR (gather the files of several commands in one folder first), ready for the README;
@@ -29,12 +28,17 @@ interpreter against the torch code (``kernels`` in its JSON).
 Parts (``--part``, repeatable, or ``all``, the default). Each writes ``OUT/gpu-check-<part>.json``,
 rewritten atomically after every row (a command stopped at its limit leaves every finished
 row), prints its rows as they come, ends with its table and rewrites ``OUT/gpu-check-summary.md``
-(the tables of all part files in OUT): at most five files. A row that fails is recorded with its
-error and the part goes on; a part starts no row that would end after ``--part-minutes``
-(default 7.5) at the pace of its slowest row so far, and records those as skipped. The minutes
-on one H200 are estimates until measured:
+(the tables of all part files in OUT): at most six files. A row that fails is recorded with its
+error and the part goes on. Each part has a budget of seconds from ``--plan``
+(scripts/gpu_check_plan.py: derived from the kernels' ahead-of-time report, its compile seconds
+and modelled steps, 8 minutes in all); a part starts no row that would end past its budget at
+the pace of its slowest row so far, and records those as skipped. The seconds are estimates
+until measured:
 
-- ``check`` (1-2 minutes, mostly Triton compiling its kernels): a forward and backward pass at
+- ``warm`` (about 2 minutes, nearly all Triton compiling): one training step of every fused row
+  the check and the bench parts time, at their sizes and precisions, so that Triton's cache
+  holds exactly the variants they launch and no later clock counts a compile.
+- ``check`` (under a minute): a forward and backward pass at
   batch 8 of cifar10-caps, cifar10-caps-simple (sequential), cifar10-dynamic-simple,
   cifar10-em-simple and cifar10-self-simple, in fp32 and under bf16 autocast, with the default
   passes (the fused ones on a GPU) and inside ``dispatch.use("chunked")`` (the torch code), same
@@ -44,18 +48,19 @@ on one H200 are estimates until measured:
   do not count); which backends ran. ``ok`` in fp32: every difference at most 1e-2. In bf16
   (see :func:`within_bf16`): every difference at most twice the torch code's own bf16 error
   (its bf16 result against its fp32 result, same element, same denominator), plus 1e-2.
-- ``bench`` (3-5 minutes): training step and inference at batch 128 (2 warm-up and 5 timed
-  steps, the median) of ResNet-18 and of cifar10-caps (T=2 concurrent), cifar10-caps-simple
-  sequential T=2 and T=3, cifar10-dynamic(-simple), cifar10-em(-simple) and
-  cifar10-self(-simple), in fp32 and in bf16 autocast + channels_last (a model that cannot take
-  channels_last is measured without it, and marked so); the capsule models with the default
-  ("fused") passes first, then with the torch code; peak GPU memory
+- ``bench`` (about a minute): training step and inference at batch 128 (2 warm-up and 5 timed
+  steps, the median, through ``capsctl bench``'s code) of ResNet-18 and of cifar10-caps (T=2
+  concurrent), cifar10-caps-simple sequential T=2 and T=3, cifar10-dynamic(-simple),
+  cifar10-em(-simple) and cifar10-self(-simple), in fp32 and in bf16 autocast + channels_last
+  (a model that cannot take channels_last is measured without it, and marked so); the capsule
+  models with the default ("fused") passes first, then cifar10-caps and cifar10-caps-simple
+  with the torch code; peak GPU memory
   (``torch.cuda.max_memory_allocated``) and both ratios to ResNet-18 in the same setting; the
   backend the routing passes ran (``BenchRow.routing_backend``).
-- ``compile`` (up to 8 minutes, mostly compiling): bf16 + channels_last + ``torch.compile``
-  training steps (no inference) of ResNet-18, cifar10-caps, cifar10-caps-simple (sequential),
-  cifar10-self-simple, cifar10-dynamic-simple and cifar10-em-simple, with peak memory.
-- ``train`` (``--minutes`` + about 30 s; default 5): cifar10-caps, the paper's model, in bf16
+- ``compile`` (about 2 minutes, mostly compiling): bf16 + channels_last + ``torch.compile``
+  training steps (no inference) of ResNet-18, cifar10-caps and cifar10-caps-simple
+  (sequential), with peak memory.
+- ``train`` (``--minutes`` + about 30 s; default 1.5): cifar10-caps, the paper's model, in bf16
   with channels_last on a one-cycle schedule fitted to the minutes (``train.time_limit``; batch
   256, lr 0.2, Nesterov, label smoothing 0.1) on the training images of ``--data-dir`` (default
   ``$CAPSCTL_DATA``, else the repository's ``gpu-data/``; 1,000 held out for validation):
@@ -106,7 +111,10 @@ from capsctl.memory import keep_freed_memory  # noqa: E402
 from capsctl.training import train_from_preset  # noqa: E402
 from capsctl.version import __version__  # noqa: E402
 
-PARTS = ("check", "bench", "compile", "train")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_plan import BUDGET_S, REPORT, Rows, load_report, plan, plan_table  # noqa: E402
+
+PARTS = ("warm", "check", "bench", "compile", "train")
 TARGETS = (0.90, 0.94)
 TOLERANCE = 1e-2  # check: the largest relative difference called ok in float32
 BF16_MARGIN = 2.0  # check: bf16 differences against the torch code's own bf16 error (within_bf16)
@@ -142,7 +150,8 @@ SELF, SELF_S = Model("cifar10-self"), Model("cifar10-self-simple")
 SEQ = Model("cifar10-caps-simple", None, "sequential")
 CHECK_MODELS = (CAPS, SEQ, DYN_S, EM_S, SELF_S)
 BENCH_MODELS = (RESNET, CAPS, SEQ2, SEQ3, DYN, DYN_S, EM, EM_S, SELF, SELF_S)
-COMPILE_MODELS = (RESNET, CAPS, SEQ2, SELF_S, DYN_S, EM_S)
+TORCH_BENCH_MODELS = (CAPS, SEQ2)  # the torch code's rows: IDPA's, against its fused passes
+COMPILE_MODELS = (RESNET, CAPS, SEQ2)
 DRY_BENCH_MODELS = (RESNET, SEQ2, SELF_S)  # the dry run: every code path, fewer models
 DRY_COMPILE_MODELS = (SEQ2,)
 SETTINGS = {
@@ -157,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary is not None:
         print(summary(args.summary), flush=True)
         return 0
+    budgets = plan(plan_rows(args), load_report(args.report))
+    if args.plan:
+        print(plan_table(budgets, args.report), flush=True)
+        return 0 if sum(b.seconds for b in budgets) <= BUDGET_S else 1
+    try:
+        import torchvision  # noqa: F401 - the models' backbones
+    except ImportError:
+        print("gpu_check needs torchvision: pip install torchvision==0.29.1")
+        return 1
     keep_freed_memory()  # as the capsctl command does
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; run with --dry-run to check the script on a CPU")
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = PARTS if not args.part or "all" in args.part else tuple(dict.fromkeys(args.part))
     for model in {*CHECK_MODELS, *BENCH_MODELS, *COMPILE_MODELS}:
         resolve_config(model.name)  # a stale name fails here, also in the dry run
-    run = Run.start(args)
+    run = Run.start(args, {b.part: b.seconds for b in budgets})
     print(
         f"gpu_check on {run.meta['device']}, torch {torch.__version__}, triton "
         f"{run.meta['triton']}, parts {', '.join(parts)}" + " (dry run)" * args.dry_run,
@@ -183,9 +201,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--data-dir", help="the train part's data (default: $CAPSCTL_DATA, else gpu-data/)"
     )
-    ap.add_argument("--minutes", type=float, default=5.0, help="the train part's budget")
+    ap.add_argument("--minutes", type=float, default=1.5, help="the train part's training")
+    ap.add_argument("--plan", action="store_true", help="print each part's budget and exit")
     ap.add_argument(
-        "--part-minutes", type=float, default=7.5, help="no row starts that would end later"
+        "--report", type=Path, default=REPORT, help="the kernels' report the plan reads"
     )
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (CI)")
     ap.add_argument("--summary", type=Path, metavar="DIR", help="print the tables of DIR's parts")
@@ -202,9 +221,10 @@ class Run:
     args: argparse.Namespace
     device: str
     meta: dict[str, Any]
+    budgets: dict[str, float]  # seconds each part may take (gpu_check_plan.py)
 
     @classmethod
-    def start(cls, args: argparse.Namespace) -> Run:
+    def start(cls, args: argparse.Namespace, budgets: dict[str, float]) -> Run:
         device = "cpu" if args.dry_run else "cuda"
         args.out.mkdir(parents=True, exist_ok=True)
         if device == "cuda":
@@ -220,7 +240,7 @@ class Run:
             "dry_run": bool(args.dry_run),
             "command": sys.argv,
         }
-        return cls(args, device, meta)
+        return cls(args, device, meta, budgets)
 
     @property
     def dry(self) -> bool:
@@ -232,7 +252,7 @@ class Run:
             self.args.out / f"gpu-check-{name}.json",
             self.meta,
             settings,
-            None if self.dry else self.args.part_minutes * 60,
+            None if self.dry else self.budgets[name],
         )
 
 
@@ -278,7 +298,7 @@ class Part:
         write_text_atomic(self.path, json.dumps(self.doc, indent=2) + "\n")
 
     def skipped(self) -> str:
-        return f"skipped: it would end after the part's {(self.budget_s or 0) / 60:g} minutes"
+        return f"skipped: it would end after the part's {self.budget_s or 0:.0f} seconds"
 
 
 def _version(package: str) -> str | None:
@@ -316,11 +336,71 @@ def _backend(ran: dict[str, int]) -> str:
     return "+".join(b for b in dispatch.BACKENDS if b in ran) or "-"
 
 
+# --- warm: Triton's cache filled with the variants the later parts launch ---------------------
+
+
+def plan_rows(args: argparse.Namespace) -> Rows:
+    """What the parts run, for the plan (gpu_check_plan.py)."""
+    _, warmup, iters = bench_sizes(False)
+    return Rows(
+        check=[m.name for m in CHECK_MODELS],
+        bench=[(m.name, setting, passes) for m, setting, passes in bench_rows(False)],
+        compiled=[m.name for m in COMPILE_MODELS],
+        bench_steps=warmup + iters + warmup + iters,  # training, then inference
+        train_minutes=args.minutes,
+    )
+
+
+def warm(run: Run) -> None:
+    """One training step of every fused row the check and the bench parts will time, at their
+    sizes and precisions: Triton compiles each kernel variant they launch here, so that no
+    later part's clock counts a compile."""
+    batch = check_batch(run.dry)
+    part = run.part("warm", check_batch=batch, bench_batch=bench_sizes(run.dry)[0])
+    print("\nwarm: one step of each fused row, compiling the Triton kernels it launches")
+    steps = [("check", m, "fp32" if not amp else "bf16") for m in CHECK_MODELS for amp in (0, 1)]
+    steps += [("bench", m, setting) for m, setting, passes in bench_rows(run.dry)
+              if passes == "fused"]  # fmt: skip
+    for kind, model, setting in steps:
+        row: dict[str, Any] = {"for": kind, "model": model.label, "setting": setting}
+        t0 = time.perf_counter()
+        if part.out_of_time():
+            row["error"] = part.skipped()
+        else:
+            try:
+                if kind == "check":
+                    _warm_check(model, setting == "bf16", run.device, batch)
+                else:
+                    sizes = (bench_sizes(run.dry)[0], 0, 1)
+                    _measure(run, model, dict(SETTINGS[setting]), "fused", False, sizes)
+            except Exception as e:  # recorded; the part that times it records its own error
+                row["error"] = _error(e)
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        part.add(row)
+        print(f"{kind:<7}{model.label:<38}{setting:<9}{row['seconds']:>7.1f} s  "
+              f"{row.get('error', '')}", flush=True)  # fmt: skip
+    part.save(done=True)
+
+
+def _warm_check(model: Model, amp: bool, device: str, batch: int) -> None:
+    cfg = resolve_config(model.name)
+    net = build_model(cfg).to(device).train()
+    if model.iterations is not None or model.routing is not None:
+        net.set_routing(model.iterations, model.routing)
+    x = torch.randn(batch, cfg.in_channels, cfg.input_size, cfg.input_size, device=device)
+    y = torch.zeros(batch, dtype=torch.long, device=device)
+    _forward_backward(net, x, y, amp)
+
+
 # --- check: the fused passes against the torch code ------------------------------------------
 
 
+def check_batch(dry: bool) -> int:
+    return 2 if dry else 8
+
+
 def check(run: Run) -> None:
-    batch = 2 if run.dry else 8
+    batch = check_batch(run.dry)
     part = run.part(
         "check",
         batch_size=batch,
@@ -520,27 +600,34 @@ def _check_line(row: dict[str, Any]) -> str:
 # --- bench and compile: training steps against ResNet-18 ------------------------------------
 
 
+def bench_rows(dry: bool) -> list[tuple[Model, str, str]]:
+    """``(model, setting, passes)`` of each bench row in order: the fused rows first (the
+    targets; ResNet-18 first in each setting, the rows' yardstick), then the torch code's."""
+    models = DRY_BENCH_MODELS if dry else BENCH_MODELS
+    torch_models = [m for m in models if m != RESNET] if dry else TORCH_BENCH_MODELS
+    rows = [(m, setting, "fused") for setting in SETTINGS for m in models]
+    return rows + [(m, setting, "torch") for setting in SETTINGS for m in torch_models]
+
+
+def bench_sizes(dry: bool) -> tuple[int, int, int]:
+    """Batch, warm-up and timed steps of a bench row."""
+    return (2, 1, 1) if dry else (128, 2, 5)
+
+
 def bench(run: Run) -> None:
-    batch, warmup, iters = (2, 1, 1) if run.dry else (128, 2, 5)
-    models = DRY_BENCH_MODELS if run.dry else BENCH_MODELS
+    batch, warmup, iters = sizes = bench_sizes(run.dry)
     part = run.part("bench", batch_size=batch, warmup=warmup, iters=iters)
     print(f"\nbench: training step and inference at batch {batch}, median of {iters}")
     print(BENCH_HEADER)
     refs: dict[str, BenchRow | None] = {}
-    # Fused rows first (the targets), then the torch code; ResNet-18 once per setting.
-    for passes in PASSES:
-        for setting in SETTINGS:
-            for model in models:
-                if model == RESNET and passes != "fused":
-                    continue
-                sizes = (batch, warmup, iters)
-                row, measured = _bench_row(
-                    part, run, model, setting, passes, False, sizes, refs.get(setting)
-                )
-                if model == RESNET:
-                    refs[setting] = measured
-                part.add(row)
-                print(_bench_line(row), flush=True)
+    for model, setting, passes in bench_rows(run.dry):
+        row, measured = _bench_row(
+            part, run, model, setting, passes, False, sizes, refs.get(setting)
+        )
+        if model == RESNET:
+            refs[setting] = measured
+        part.add(row)
+        print(_bench_line(row), flush=True)
     part.save(done=True)
     print("\n" + bench_table(part.doc["rows"], []), flush=True)
 
@@ -822,6 +909,11 @@ def summary(folder: Path) -> str:
         ]
     if "train" in docs:
         lines += ["", train_table(docs["train"]["rows"] or _unfinished_train(docs["train"]))]
+    if "warm" in docs:
+        warmed = docs["warm"]["rows"]
+        failed = sum(1 for r in warmed if "error" in r)
+        lines += ["", f"Warm-up (Triton's compiles): {len(warmed)} steps in "
+                  f"{docs['warm']['seconds']:.0f} s, {failed} failed or skipped"]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -968,6 +1060,7 @@ def _f(value: float | None, width: int, spec: str) -> str:
 
 
 PART_FUNCTIONS: dict[str, Callable[[Run], None]] = {
+    "warm": warm,
     "check": check,
     "bench": bench,
     "compile": compile_part,

@@ -16,7 +16,7 @@ from conftest import load_script
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
-PARTS = ("check", "bench", "compile", "train")
+PARTS = ("warm", "check", "bench", "compile", "train")
 
 
 def _script(name: str) -> ModuleType:
@@ -99,6 +99,14 @@ def test_a_dry_run_of_every_part_writes_each_part_file_and_the_summary(tmp_path:
     docs = {p: json.loads((out / f"gpu-check-{p}.json").read_text()) for p in PARTS}
     assert all(d["done"] and d["dry_run"] and d["part"] == p for p, d in docs.items())
 
+    # the warm part stepped every fused row the check and the bench time, before they ran
+    warmed = docs["warm"]["rows"]
+    assert not [r for r in warmed if "error" in r], warmed
+    assert len([r for r in warmed if r["for"] == "check"]) == 10
+    assert {(r["model"], r["setting"]) for r in warmed if r["for"] == "bench"} == {
+        (r["name"], r["setting"]) for r in docs["bench"]["rows"] if r["passes"] == "fused"
+    }
+
     check = docs["check"]["rows"]
     assert {(r["model"], r["dtype"]) for r in check} == {
         (m, d)
@@ -132,7 +140,8 @@ def test_a_dry_run_of_every_part_writes_each_part_file_and_the_summary(tmp_path:
     assert trained["epochs"] == 1 and 0.0 <= trained["test_accuracy"] <= 1.0
     assert trained["train_images"] + trained["val_images"] == 64
 
-    for head in ("check: forward and backward", "bench: training step", "compile:", "train:"):
+    for head in ("warm:", "check: forward and backward", "bench: training step", "compile:",
+                 "train:"):  # fmt: skip
         assert head in res.stdout
     table = (out / "gpu-check-summary.md").read_text()
     assert "| cifar10-self-simple |" in table and "| fp32 torch |" in table
@@ -233,6 +242,31 @@ def test_a_part_rewrites_its_file_after_every_row_and_starts_no_row_past_its_min
     assert part.out_of_time()
     part.save(done=True)
     assert json.loads(path.read_text())["done"]
+
+
+def test_the_plan_fits_eight_minutes_and_each_part_keeps_its_budget(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:-1]] == list(PARTS)
+    total = float(lines[-1].split()[1])
+    assert total <= 480 and "fits in 8 minutes" in lines[-1]
+    # the budgets come from the kernels' report: its compile seconds and modelled steps
+    plan = _script("gpu_check_plan")
+    gpu_check = _script("gpu_check")
+    args = gpu_check._parse([])
+    budgets = plan.plan(gpu_check.plan_rows(args), plan.load_report())
+    assert sum(b.seconds for b in budgets) == pytest.approx(total, abs=1)
+    report = plan.load_report()
+    slower = {**report, "baseline": {**report["baseline"], "modelled_us": 1e6}}  # 1 s a step
+    more = {b.part: b.seconds for b in plan.plan(gpu_check.plan_rows(args), slower)}
+    assert more["bench"] > {b.part: b.seconds for b in budgets}["bench"] + 20
+    # and a part takes its budget from the plan
+    args.out = tmp_path
+    run = gpu_check.Run(args, "cuda", {"device": "x"}, {"bench": 56.0})
+    assert run.part("bench").budget_s == 56.0
 
 
 def test_without_cuda_and_without_dry_run_it_says_what_to_do() -> None:
