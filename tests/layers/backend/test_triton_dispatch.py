@@ -116,7 +116,8 @@ def test_a_training_step_through_the_triton_passes_equals_the_torch_code(
     with dispatch.use("chunked"):
         slow = training_step(model, x)
     # a gradient that is zero but for rounding (1e-8 here) is compared on the scale of the
-    # largest one: the kernels add their tiles atomically, in another order than the torch code
+    # largest one: the kernels sum over their blocks and spans in another order than the torch
+    # code
     assert_same_step(fused, slow, floor=1e-3)
 
 
