@@ -261,6 +261,21 @@ def test_a_variant_past_the_timeout_is_reported_as_timed_out(tmp_path: Path) -> 
     assert gpu_aot.broken_budgets(row) == ["compile_s"]
 
 
+@pytest.mark.parametrize("router", ["idpa", "self"])
+def test_under_bf16_autocast_the_votes_reach_the_kernels_in_bf16(router: str) -> None:
+    # the routed pass (IDPA) and self-routing's weighted pass build their votes from bf16 poses
+    # and weights, with float32 sums; self-routing's logits and mass stay float32
+    torch.manual_seed(0)
+    net = build_model({"base": PRESETS[router], **TINY}).train()
+    launches = gpu_aot.capture_step(net, (2, 3, 8, 8), 2, amp=True)
+    votes = [v for v in launches if v.kernel in ("pass_forward", "pass_backward")]
+    assert votes and {dict(v.signature)["x_ptr"] for v in votes} == {"*bf16"}
+    assert {dict(v.constexprs)["ACC"] for v in votes} == {"tl.fp32"}
+    if router == "self":
+        forward = next(v for v in votes if v.kernel == "pass_forward")
+        assert dict(forward.signature)["r_ptr"] == "*fp32"  # the mass
+
+
 def test_the_script_captures_and_writes_its_report(tmp_path: Path, capsys) -> None:
     out = tmp_path / "aot.json"
     argv = ["--models", "cifar10-caps-fast", "--batch", "4", "--capture-only", "--out", str(out)]

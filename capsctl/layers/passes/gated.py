@@ -107,7 +107,13 @@ class GatedPass(torch.autograd.Function):
 
 
 def gated_pass(
-    act: Tensor, x: Tensor, w: Tensor, wr: Tensor, br: Tensor, chunk_sites: int | None = None
+    act: Tensor,
+    x: Tensor,
+    w: Tensor,
+    wr: Tensor,
+    br: Tensor,
+    chunk_sites: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Self-routing of child activations ``act[B, J]`` and poses ``x[J, B, a, x]`` with pose
     weights ``w[J, x, m, c]``, routing weights ``wr[J, a*x, m]`` and biases ``br[J, m]`` ->
@@ -123,9 +129,14 @@ def gated_pass(
     pass (:class:`GatedPass`), which keeps neither the logits nor the mass. Where the Triton
     kernels run (a GPU), the logits are one batched matrix product and the weighted sum is
     the Triton weighted pass (capsctl/layers/backend/triton/kernels.py): the coefficients
-    depend on the child alone, so no kernel of self-routing's own is needed."""
+    depend on the child alone, so no kernel of self-routing's own is needed. ``autocast``: the
+    16-bit dtype of an autocast block the caller left (its inputs are float32): where the
+    Triton kernels run, the votes are built from 16-bit poses and weights (float32 sums), and
+    the logits, the softmax and the mass stay in float32."""
     j, bsz, a, xd = x.shape
-    choice = choose(act, x, w, wr, br) if chunk_sites is None else None  # asked once
+    choice = None  # asked once
+    if chunk_sites is None:
+        choice = choose(act, x, w, wr, br, autocast=autocast)
     if choice is not None and choice.backend == "native":
         m, c = w.shape[2], w.shape[3]
         add_routing_flops(2 * j * bsz * a * xd * m)  # the logits (a matrix product in the pass)
@@ -136,6 +147,9 @@ def gated_pass(
     logits = routing_logits(x.reshape(j, bsz, a * xd), wr, br)  # [J, B, m]
     coef, mass = gate(logits, act)  # [J, B, m] each
     total = mass.sum(0)  # [B, m]: sum_i c_ij a_i
+    low = choice.dtype if choice is not None and choice.backend == "triton" else None
+    if low is not None and low != x.dtype:
+        x, w = x.to(low), w.to(low)  # the votes in 16 bits; the mass stays float32
     u = weighted_pass(x, w, mass, chunk_sites, choice)  # [B, m, a, c]
     u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
     return u, parent_activations(total, act), coef.detach()

@@ -129,17 +129,22 @@ class SelfRoutingCapsules(BaselineCapsules):
         ``[b, H, W, n]`` / ``[b, ...]`` -> parent poses ``[b, h, w, m, d]`` / ``[b, m, d]``
         (None without pose weights),
         parent activations ``[b, h, w, m]`` / ``[b, m]`` and the coefficients (detached)
-        ``[b, h, w, k, l, n, m]`` / ``[b, n, m]``. Runs in float32, also under autocast."""
-        if torch.is_autocast_enabled(child.device.type):
-            with torch.autocast(device_type=child.device.type, enabled=False):
-                return self._route(child.float(), act.float())
+        ``[b, h, w, k, l, n, m]`` / ``[b, n, m]``. Under autocast in float32, but for the votes
+        where the Triton kernels build them (autocast's 16-bit dtype, float32 sums)."""
+        device = child.device.type
+        if torch.is_autocast_enabled(device):
+            low = torch.get_autocast_dtype(device)
+            with torch.autocast(device_type=device, enabled=False):
+                return self._route(child.float(), act.float(), low)
         return self._route(child, act)
 
     def forward(self, child: Tensor, act: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
         """Same as :meth:`route`."""
         return self.route(child, act)
 
-    def _route(self, child: Tensor, act: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+    def _route(
+        self, child: Tensor, act: Tensor, low: torch.dtype | None = None
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
         xj, site = self.child_sites(child)  # [J, B, d_in]
         acts = self.child_activations(act)  # [B, J]
         wr, br = self.routing_weights()  # [J, d_in, m], [J, m]
@@ -152,7 +157,7 @@ class SelfRoutingCapsules(BaselineCapsules):
         a, xd, m, c = self.rows, self.cols_in, self.out_types, self.cols_out
         wj = self.weight.reshape(j, xd, m, c)  # [J, x, m, c]
         xp = xj.view(j, bsz, a, xd)  # [J, B, a, x]
-        u, parent, coef = gated_pass(acts, xp, wj, wr, br, self.chunk_sites)
+        u, parent, coef = gated_pass(acts, xp, wj, wr, br, self.chunk_sites, low)
         poses = self.unsite(u.reshape(bsz, m, a * c), site)  # [b, h, w, m, d] / [b, m, d]
         coeffs = self.unsite_coefficients(coef.permute(1, 2, 0), site)  # from [B, m, J]
         return poses, self.unsite(parent, site), coeffs

@@ -417,3 +417,37 @@ def test_bf16_reaches_the_kernels_under_autocast(monkeypatch: pytest.MonkeyPatch
         s32, _ = routed_pass_under_autocast(x, w, p, scale)
     assert seen == [] and s32.dtype == torch.float32
     torch.testing.assert_close(s32.double(), s64, rtol=1e-5, atol=1e-5)
+
+
+def test_self_routing_takes_bf16_votes_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Self-routing's gated pass under bf16 autocast where the kernels run: the weighted pass
+    gets bf16 poses and weights and the float32 mass; the pose and the activation against the
+    float64 equations within :data:`BF16_TOLERANCE` (the activation, from float32 logits and
+    mass, within float32's)."""
+    from capsctl.layers.backend.triton import ops
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = ops.triton_weighted
+
+    def spy(x, w, r, *rest):  # type: ignore[no-untyped-def]
+        seen.append((x.dtype, r.dtype))
+        return real(x, w, r, *rest)
+
+    with dispatch.use("triton"):
+        assert dispatch.takes_triton(torch.zeros(1))
+    monkeypatch.setattr(ops, "triton_weighted", spy)
+    ins = _gated_inputs(SHAPES["fc-matrix-partial-tiles"])
+    s64, total64, _ = gated_equations(*ins)
+    u64 = s64 / (total64 + SELF_ROUTING_EPS)[:, :, None, None]  # [B, m, a, c]
+    act64 = total64 / (ins[0].sum(-1, keepdim=True) + SELF_ROUTING_EPS)  # [B, m]
+    ins32 = [t.float() for t in ins]
+    with dispatch.use("triton"):
+        u, act, _ = gated_pass(*ins32, autocast=torch.bfloat16)
+    assert seen == [(torch.bfloat16, torch.float32)] and u.dtype == torch.float32
+    assert (u.double() - u64).abs().max() / u64.abs().max() <= BF16_TOLERANCE
+    torch.testing.assert_close(act.double(), act64, rtol=1e-5, atol=1e-6)
+    # where the kernels do not run, all of it stays float32
+    seen.clear()
+    u32, _, _ = gated_pass(*ins32, autocast=torch.bfloat16)
+    assert seen == []
+    torch.testing.assert_close(u32.double(), u64, rtol=1e-4, atol=1e-5)
