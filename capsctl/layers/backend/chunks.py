@@ -1,4 +1,6 @@
-"""How much vote-sized work one chunk holds, per kind of device.
+"""How the vote-sized passes are tiled: how much work one chunk holds, per kind of device, its
+shape (:func:`tile_shape`) and the threads that share a pass's chunks; :func:`tile_plan` gives a
+chunked pass all of it at once.
 
 The vote-sized passes (capsctl/layers/passes/: routed.py, weighted.py, em_moments.py, gated.py)
 never hold the vote tensor: they build it chunk by chunk, so that every pass over a chunk runs
@@ -45,6 +47,7 @@ from capsctl.devices import denormals_flushed
 from capsctl.environment import positive
 
 __all__ = [
+    "CHUNK_BYTES",
     "CHUNK_ENV",
     "DEVICE_CHUNK_BYTES",
     "THREADS_ENV",
@@ -53,6 +56,9 @@ __all__ = [
     "run_spans",
     "site_spans",
     "site_workers",
+    "tile_budget",
+    "tile_plan",
+    "tile_shape",
     "vote_chunk_bytes",
 ]
 
@@ -109,6 +115,55 @@ def vote_chunk_bytes(like: Tensor, fixed: int = 0) -> int:
         return DEVICE_CHUNK_BYTES
     share = last_level_cache() // CACHE_FRACTION
     return max(MIN_CPU_CHUNK, min(MAX_CPU_CHUNK, share))
+
+
+# Bytes of votes per tile of the routed and weighted passes on a CPU; 0 (the default): by the
+# cache (vote_chunk_bytes). Tests set it to get many tiles.
+CHUNK_BYTES = 0
+
+
+def tile_budget(x: Tensor) -> int:
+    """Bytes of votes per tile of a pass over ``x``'s sites."""
+    return vote_chunk_bytes(x, CHUNK_BYTES)
+
+
+def tile_shape(
+    j: int,
+    bsz: int,
+    m: int,
+    d: int,
+    itemsize: int,
+    *,
+    budget: int,
+    sites: int | None = None,
+    workers: int = 1,
+) -> tuple[int, int]:
+    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``budget``
+    bytes; ``sites``: ``Bc`` given, for tests; ``workers``: threads that will share the chunks
+    of sites (at least that many chunks).
+
+    Whole rows of sites come first: the votes of one child at many sites are one tall matrix
+    product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
+    """
+    per_site = max(1, m * d * itemsize)
+    bc = max(1, min(bsz, sites or budget // per_site, -(-bsz // max(1, workers))))
+    bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
+    jc = max(1, min(j, budget // (per_site * bc)))
+    return jc, bc
+
+
+def tile_plan(
+    x: Tensor, m: int, d: int, sites: int | None = None
+) -> tuple[int, int, list[tuple[int, int]]]:
+    """``(Jc, Bc, spans)`` of a chunked pass over ``x[J, B, a, x]`` with ``m`` parents of
+    ``d`` entries: the tile shape within :func:`tile_budget` and the runs of sites of the
+    threads that share the tiles; ``sites``: ``Bc`` given
+    (tests, ``dispatch.use("chunked", sites=...)``)."""
+    j, bsz = x.shape[0], x.shape[1]
+    workers = site_workers(x)
+    budget = tile_budget(x)
+    jc, bc = tile_shape(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
+    return jc, bc, site_spans(bsz, bc, workers)
 
 
 # -- sharing a pass's chunks of sites between threads -----------------------------------------

@@ -56,14 +56,13 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend import bindings
-from capsctl.layers.backend.chunks import run_spans
+from capsctl.layers.backend.chunks import run_spans, tile_plan
 from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
     Gradients,
     parent_major,
-    plan,
     prepare,
     site_major,
     unprepare_weights,
@@ -97,7 +96,7 @@ def _chunked_forward(
         return parent_major(sn, a, c), rn
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
-    jc, bc, spans = plan(x, m, d, choice.sites or None)
+    jc, bc, spans = tile_plan(x, m, d, choice.sites or None)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -166,7 +165,7 @@ def _chunked_backward(
     if choice.backend == "native":
         gx, gwc, gpq = bindings.routed_backward(x, wc, pq, r, gq, c, needs[:3])
         return _native_grads(gx, gwc, gpq, a, c, scale)
-    jc, bc, spans = plan(x, m, d, choice.sites or None)
+    jc, bc, spans = tile_plan(x, m, d, choice.sites or None)
     acc = Gradients(x, wc, d, m, bc, jc, needs, len(spans))
     wcs = wc.split(jc)  # [Jc, x, c*m] each (per-child operands split once)
 

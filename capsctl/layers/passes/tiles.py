@@ -5,7 +5,9 @@ The routed pass (capsctl/layers/passes/routed.py) and the weighted pass
 ``V[J, B, d, m]`` (letters as in capsctl/layers/passes/routed.py): this module holds the per-tile
 scratch buffers (:class:`Chunk`), the layouts the products want (:func:`prepare`,
 :func:`site_major`, :func:`parent_major`), the gradient accumulators (:class:`Gradients`) and
-the backward pass of the votes' product (:func:`vote_backward`).
+the backward pass of the votes' product (:func:`vote_backward`). How large a tile is and which
+thread runs it is capsctl/layers/backend/chunks.py's (:func:`~capsctl.layers.backend.chunks.
+tile_plan`): the tiling has one home.
 """
 
 from __future__ import annotations
@@ -13,68 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from capsctl.layers.backend.chunks import site_spans, site_workers, vote_chunk_bytes
-
 __all__ = [
-    "CHUNK_BYTES",
     "Chunk",
     "Gradients",
     "parent_major",
-    "plan",
     "prepare",
     "site_major",
-    "tile_budget",
-    "tile_shape",
     "unprepare_weights",
     "vote_backward",
 ]
-
-# Bytes of votes per chunk on a CPU; 0 (the default): capsctl/layers/backend/chunks.py decides.
-CHUNK_BYTES = 0
-
-
-def tile_budget(x: Tensor) -> int:
-    """Bytes of votes per tile of a pass over ``x``'s sites."""
-    return vote_chunk_bytes(x, CHUNK_BYTES)
-
-
-def tile_shape(
-    j: int,
-    bsz: int,
-    m: int,
-    d: int,
-    itemsize: int,
-    *,
-    budget: int,
-    sites: int | None = None,
-    workers: int = 1,
-) -> tuple[int, int]:
-    """``(Jc, Bc)``: children and sites per chunk, so that a vote chunk fits in ``budget``
-    bytes; ``sites``: ``Bc`` given, for tests; ``workers``: threads that will share the chunks
-    of sites (at least that many chunks).
-
-    Whole rows of sites come first: the votes of one child at many sites are one tall matrix
-    product ``[Bc*a, x] @ [x, c*m]``, many times faster than many small products (``x`` is tiny).
-    """
-    per_site = max(1, m * d * itemsize)
-    bc = max(1, min(bsz, sites or budget // per_site, -(-bsz // max(1, workers))))
-    bc = -(-bsz // -(-bsz // bc))  # equal chunks of sites, no short last one
-    jc = max(1, min(j, budget // (per_site * bc)))
-    return jc, bc
-
-
-def plan(
-    x: Tensor, m: int, d: int, sites: int | None = None
-) -> tuple[int, int, list[tuple[int, int]]]:
-    """``(Jc, Bc, spans)`` of a chunked pass over ``x[J, B, a, x]`` with ``m`` parents of
-    ``d`` entries: the tile shape within :func:`tile_budget` and the runs of sites of the
-    threads that share the tiles (capsctl/layers/backend/chunks.py); ``sites``: ``Bc`` given
-    (tests, ``dispatch.use("chunked", sites=...)``)."""
-    j, bsz = x.shape[0], x.shape[1]
-    workers = site_workers(x)
-    budget = tile_budget(x)
-    jc, bc = tile_shape(j, bsz, m, d, x.element_size(), budget=budget, sites=sites, workers=workers)
-    return jc, bc, site_spans(bsz, bc, workers)
 
 
 def site_major(p: Tensor, scale: float = 1.0) -> Tensor:

@@ -14,14 +14,13 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend import bindings
-from capsctl.layers.backend.chunks import run_spans
+from capsctl.layers.backend.chunks import run_spans, tile_plan
 from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
     Chunk,
     Gradients,
     parent_major,
-    plan,
     prepare,
     site_major,
     unprepare_weights,
@@ -41,7 +40,7 @@ def _weighted_forward(x: Tensor, w: Tensor, r: Tensor, choice: Choice) -> Tensor
     if choice.backend == "native":
         return parent_major(bindings.weighted_forward(x, wc, r.contiguous(), c), a, c)
     s = x.new_zeros(bsz, d, m)  # [B, d, m]
-    jc, bc, spans = plan(x, m, d, choice.sites or None)
+    jc, bc, spans = tile_plan(x, m, d, choice.sites or None)
     wcs = wc.split(jc)  # [Jc, x, c*m] each
 
     def part(_: int, lo: int, hi: int) -> None:
@@ -70,7 +69,7 @@ def _weighted_backward(
     if choice.backend == "native":
         gx, gwc, gr = bindings.weighted_backward(x, wc, r.contiguous(), gq, c, needs[:3])
         return gx, unprepare_weights(gwc, c), gr  # gw: [J, x, m, c]
-    jc, bc, spans = plan(x, m, d, choice.sites or None)
+    jc, bc, spans = tile_plan(x, m, d, choice.sites or None)
     acc = Gradients(x, wc, d, m, bc, jc, (needs[0], needs[1], False), len(spans))
     gr = x.new_empty(j, bsz, m) if needs[2] else None  # [J, B, m]
     wcs = wc.split(jc)  # [Jc, x, c*m] each
@@ -140,7 +139,7 @@ def weighted_pass(
     coefficients ``r[J, B, m]``: ``S[B, m, a, c] = sum_J R V``, differentiable in all three, the
     votes never kept (for routings whose coefficients do not depend on the votes, such as
     self-routing). ``sites``: parent sites per tile of the torch code (None: by
-    ``capsctl.layers.passes.tiles.tile_budget``; given, the torch code runs where the compiled
+    ``capsctl.layers.backend.chunks.tile_budget``; given, the torch code runs where the compiled
     loops would). ``choice``: the pass's plan, if the caller asked
     capsctl/layers/backend/dispatch.py already (else it is asked here, once)."""
     j, bsz, a, _ = x.shape

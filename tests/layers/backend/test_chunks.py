@@ -9,8 +9,12 @@ import torch
 
 from capsctl.errors import UsageError
 from capsctl.layers import chunks
-from capsctl.layers.backend.chunks import chunk_bytes, last_level_cache, vote_chunk_bytes
-from capsctl.layers.passes.tiles import tile_shape
+from capsctl.layers.backend.chunks import (
+    chunk_bytes,
+    last_level_cache,
+    tile_shape,
+    vote_chunk_bytes,
+)
 
 
 def test_a_cpu_keeps_its_cache_sized_chunks() -> None:
@@ -89,13 +93,11 @@ def test_the_environment_changes_the_tiles_of_a_routed_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The routed pass takes its budget from the variable (fewer sites per tile when small)."""
-    from capsctl.layers.passes import tiles
-
     monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "64")
     x = torch.empty(1)
-    big = tiles.tile_shape(288, 1568, 32, 16, 4, budget=tiles.tile_budget(x))
+    big = chunks.tile_shape(288, 1568, 32, 16, 4, budget=chunks.tile_budget(x))
     monkeypatch.setenv("CAPSCTL_CHUNK_MIB", "1")
-    small = tiles.tile_shape(288, 1568, 32, 16, 4, budget=tiles.tile_budget(x))
+    small = chunks.tile_shape(288, 1568, 32, 16, 4, budget=chunks.tile_budget(x))
     assert small[0] * small[1] < big[0] * big[1]
 
 

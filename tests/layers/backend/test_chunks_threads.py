@@ -27,7 +27,7 @@ def threads(monkeypatch: pytest.MonkeyPatch):
     def use(n: int) -> None:
         monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", str(n))
 
-    monkeypatch.setattr(tiles, "CHUNK_BYTES", 4096)  # many chunks of sites
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 4096)  # many chunks of sites
     return use
 
 
@@ -42,8 +42,8 @@ def test_spans_deal_whole_chunks_in_order(bsz: int, bc: int, workers: int) -> No
 
 def test_tiles_give_every_thread_a_chunk() -> None:
     # 32 sites of 640 bytes fit one 2 MiB chunk; with 2 threads there are two chunks of 16
-    assert tiles.tile_shape(800, 32, 10, 16, 4, budget=2 * 2**20)[1] == 32
-    jc, bc = tiles.tile_shape(800, 32, 10, 16, 4, budget=2 * 2**20, workers=2)
+    assert chunks.tile_shape(800, 32, 10, 16, 4, budget=2 * 2**20)[1] == 32
+    jc, bc = chunks.tile_shape(800, 32, 10, 16, 4, budget=2 * 2**20, workers=2)
     assert bc == 16 and jc * bc * 10 * 16 * 4 <= 2 * 2**20
 
 

@@ -222,19 +222,19 @@ def test_chunked_pass_equals_unchunked(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(7, 2, 3, 2, dtype=torch.float64)
     p = torch.randn(11, 3, 2, 2, dtype=torch.float64)
     ref_s, ref_r = routed_pass_reference(x, w, p, 0.5)
-    from capsctl.layers.passes import tiles
+    from capsctl.layers.backend import chunks
 
     for chunk_bytes in (1, 700, 10**9):
-        monkeypatch.setattr(tiles, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(chunks, "CHUNK_BYTES", chunk_bytes)
         s, r = routed_pass(x, w, p, 0.5)
         assert torch.allclose(s, ref_s, atol=1e-12)
         assert torch.allclose(r, ref_r, atol=1e-12)
 
 
 def test_routed_pass_gradcheck(monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsctl.layers.passes import tiles
+    from capsctl.layers.backend import chunks
 
-    monkeypatch.setattr(tiles, "CHUNK_BYTES", 200)  # several chunks
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 200)  # several chunks
     torch.manual_seed(3)
     x = torch.randn(5, 4, 2, 3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, 3, 3, 2, dtype=torch.float64, requires_grad=True)
@@ -463,9 +463,9 @@ def _pass_inputs(m: int, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch
 def test_routed_pass_never_modifies_its_inputs(
     m: int, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from capsctl.layers.passes import tiles
+    from capsctl.layers.backend import chunks
 
-    monkeypatch.setattr(tiles, "CHUNK_BYTES", 200)  # several chunks
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 200)  # several chunks
     torch.manual_seed(11)
     x, w, p = _pass_inputs(m, layout)
     inputs = {"child poses": x, "weights": w, "parent poses": p}
