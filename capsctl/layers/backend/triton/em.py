@@ -152,6 +152,43 @@ def _vote_grad(u, k, g1, g2):
 
 
 @triton.jit
+def _weight_block(w_ptr, j, m0, M: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
+                  I64: tl.constexpr, KP: tl.constexpr, MB: tl.constexpr,
+                  CP: tl.constexpr):  # fmt: skip
+    """Child ``j``'s weights of parents ``m0 + [0, MB)``: offsets ``[KP, N]`` into
+    ``W[J, x, m, c]`` (rows ``x``, columns ``(m, c)``) and their mask."""
+    kk = tl.arange(0, KP)
+    nn = tl.arange(0, MB * CP)
+    mm = m0 + nn // CP  # [N]: the column's parent
+    cc = nn % CP  # [N]: the column's pose column
+    wo = ((widen(j, I64) * XD + kk) * (M * C))[:, None] + (mm * C + cc)[None, :]  # [KP, N]
+    return wo, (kk < XD)[:, None] & ((mm < M) & (cc < C))[None, :]
+
+
+@triton.jit
+def _block_vote_grad(xt, wt, j, b0, b_end, m0, s_ptr, k_ptr, act_ptr, g1_ptr, g2_ptr, J, B,
+                     M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, QUAD: tl.constexpr,
+                     ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr, I64: tl.constexpr,
+                     BB: tl.constexpr, AP: tl.constexpr, MB: tl.constexpr,
+                     CP: tl.constexpr):  # fmt: skip
+    """``dV`` of child ``j`` at sites ``b0 + [0, BB)`` (below ``b_end``) and parents
+    ``m0 + [0, MB)`` as the product's rows ``[R, N]`` in ``DT``: the votes from the pose rows
+    ``xt[R, KP]`` and the weights ``wt[KP, N]`` (one ``tl.dot``), shifted, then
+    :func:`_vote_grad` (arguments as :func:`em_input_grad`)."""
+    v = tl.reshape(tl.dot(xt, wt, input_precision=DOT), (BB, AP, MB, CP))  # the votes
+    poffs, pmask = parent_tile(b0, b_end, m0, M, A, C, I64, BB, AP, MB, CP)
+    sv = tl.load(s_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MB, CP]
+    g1 = tl.load(g1_ptr + poffs, mask=pmask, other=0.0).to(ACC)
+    g2 = tl.load(g2_ptr + poffs, mask=pmask, other=0.0).to(ACC)
+    offs, mask, site = pair_tile(j, b0, b_end, m0, J, M, I64, BB, MB)  # [BB, MB]
+    k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(ACC)  # [BB, MB]
+    if not QUAD:
+        k = k * tl.load(act_ptr + site, mask=site < B * J, other=0.0).to(ACC)  # r act
+    dv = _vote_grad(v - sv, k, g1, g2)  # [BB, AP, MB, CP]
+    return to_rows(dv, BB, AP, MB, CP).to(DT)  # [R, N]
+
+
+@triton.jit
 def em_input_grad(
     x_ptr, w_ptr, s_ptr, k_ptr, act_ptr, g1_ptr, g2_ptr, gx_ptr, J, B, JN,
     M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr, QUAD: tl.constexpr,
@@ -166,29 +203,16 @@ def em_input_grad(
     b0 = tl.program_id(0) * BB
     span = tl.program_id(1)
     j_lo = span * JN
-    kk = tl.arange(0, KP)
-    nn = tl.arange(0, MB * CP)
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
         xo, xmask = pose_rows(j, b0, B, B, A, XD, I64, BB, KP, AP)  # [R, KP]
         xt = tl.load(x_ptr + xo, mask=xmask, other=0.0).to(DT)  # [R, KP]
         gx = tl.zeros((BB * AP, KP), dtype=ACC)  # [R, KP]
         for m0 in tl.static_range(0, MP, MB):
-            mm = m0 + nn // CP  # [N]: the column's parent
-            cc = nn % CP  # [N]: the column's pose column
-            wo = ((widen(j, I64) * XD + kk) * (M * C))[:, None] + (mm * C + cc)[None, :]
-            wmask = (kk < XD)[:, None] & ((mm < M) & (cc < C))[None, :]
+            wo, wmask = _weight_block(w_ptr, j, m0, M, C, XD, I64, KP, MB, CP)
             wt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # [KP, N]
-            v = tl.reshape(tl.dot(xt, wt, input_precision=DOT), (BB, AP, MB, CP))  # votes
-            poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MB, CP)
-            sv = tl.load(s_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MB, CP]
-            g1 = tl.load(g1_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-            g2 = tl.load(g2_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-            offs, mask, site = pair_tile(j, b0, B, m0, J, M, I64, BB, MB)  # [BB, MB]
-            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(ACC)  # [BB, MB]
-            if not QUAD:
-                k = k * tl.load(act_ptr + site, mask=site < B * J, other=0.0).to(ACC)
-            dv = _vote_grad(v - sv, k, g1, g2)  # [BB, AP, MB, CP]
-            dvr = to_rows(dv, BB, AP, MB, CP).to(DT)  # [R, N]
+            dvr = _block_vote_grad(xt, wt, j, b0, B, m0, s_ptr, k_ptr, act_ptr, g1_ptr,
+                                   g2_ptr, J, B, M, A, C, QUAD, ACC, DT, DOT, I64, BB, AP,
+                                   MB, CP)  # fmt: skip
             gx += tl.dot(dvr, tl.trans(wt), input_precision=DOT)  # [R, KP]
         tl.store(gx_ptr + xo, gx, mask=xmask)  # dX[J, B, a, x]
 
@@ -207,28 +231,14 @@ def em_weight_grad(
     m0 = tl.program_id(2) * MB
     b_lo = span * BN
     b_hi = tl.minimum(b_lo + BN, B)
-    kk = tl.arange(0, KP)
-    nn = tl.arange(0, MB * CP)
-    mm = m0 + nn // CP  # [N]: the column's parent
-    cc = nn % CP  # [N]: the column's pose column
-    wo = ((widen(j, I64) * XD + kk) * (M * C))[:, None] + (mm * C + cc)[None, :]  # [KP, N]
-    wmask = (kk < XD)[:, None] & ((mm < M) & (cc < C))[None, :]
+    wo, wmask = _weight_block(w_ptr, j, m0, M, C, XD, I64, KP, MB, CP)  # [KP, N]
     wt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # the parents' weights [KP, N]
     gw = tl.zeros((KP, MB * CP), dtype=ACC)  # dW of the span, [x, (m, c)]
     for b0 in range(b_lo, b_hi, BB):
         xo, xmask = pose_rows(j, b0, b_hi, B, A, XD, I64, BB, KP, AP)  # [R, KP]
         xt = tl.load(x_ptr + xo, mask=xmask, other=0.0).to(DT)  # [R, KP]
-        v = tl.reshape(tl.dot(xt, wt, input_precision=DOT), (BB, AP, MB, CP))  # the votes
-        poffs, pmask = parent_tile(b0, b_hi, m0, M, A, C, I64, BB, AP, MB, CP)
-        sv = tl.load(s_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MB, CP]
-        g1 = tl.load(g1_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-        g2 = tl.load(g2_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-        offs, mask, site = pair_tile(j, b0, b_hi, m0, J, M, I64, BB, MB)  # [BB, MB]
-        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(ACC)  # [BB, MB]
-        if not QUAD:
-            k = k * tl.load(act_ptr + site, mask=site < B * J, other=0.0).to(ACC)  # r act
-        dv = _vote_grad(v - sv, k, g1, g2)  # [BB, AP, MB, CP]
-        dvr = to_rows(dv, BB, AP, MB, CP).to(DT)  # [R, N]
+        dvr = _block_vote_grad(xt, wt, j, b0, b_hi, m0, s_ptr, k_ptr, act_ptr, g1_ptr, g2_ptr,
+                               J, B, M, A, C, QUAD, ACC, DT, DOT, I64, BB, AP, MB, CP)  # fmt: skip
         gw += tl.dot(tl.trans(xt), dvr, input_precision=DOT)  # [KP, N]
-    offs = ((widen(span, I64) * J + j) * XD + kk[:, None]) * (M * C) + (mm * C + cc)[None, :]
-    tl.store(gw_ptr + offs, gw, mask=wmask)
+    # dW[span, J, x, m, c]: the weights' own offsets, one span further per span
+    tl.store(gw_ptr + widen(span, I64) * J * (XD * M * C) + wo, gw, mask=wmask)
