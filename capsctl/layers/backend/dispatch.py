@@ -52,6 +52,7 @@ __all__ = [
     "BACKENDS",
     "TRITON_ENV",
     "Choice",
+    "autocast_dtype",
     "choose",
     "expected",
     "ran",
@@ -209,6 +210,16 @@ def choose(*tensors: Tensor, autocast: torch.dtype | None = None) -> Choice:
     return _chosen(
         replace(_decide([(dev, torch.float32) for dev, _ in specs]), dtype=torch.float32)
     )
+
+
+def autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The 16-bit dtype of the autocast block active on ``t``'s device (None outside one): what
+    a pass gives :func:`choose` as ``autocast``, so that inputs autocast made 16-bit still run
+    the compiled loops, in float32."""
+    device = t.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def expected(device: torch.device | str) -> Choice:

@@ -271,9 +271,15 @@ def _layout_norm(lib: ctypes.CDLL, rows_in: bool, rows_out: bool, g: torch.Gener
 
 def self_test(lib: ctypes.CDLL) -> None:
     """Run every pass of the bound library ``lib`` once against the torch code; raises
-    :class:`SelfTestError` naming the first pass that differs. A few milliseconds."""
+    :class:`SelfTestError` naming the first pass that differs. A few milliseconds. Autocast is
+    off inside, so that the torch code it compares with runs in float32 wherever it is called."""
     g = torch.Generator().manual_seed(0)
-    with torch.inference_mode(False), torch.enable_grad():
+    # float32 torch code to compare with, also when the first pass runs under autocast
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autocast("cpu", enabled=False),
+    ):
         for shape in VOTE_SHAPES:
             for check in (_routed, _weighted, _gated, _em_moments, _em_quad):
                 check(lib, shape, g)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from capsctl.layers.backend import bindings
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import autocast_dtype, choose
 
 __all__ = ["pose_layer_norm"]
 
@@ -52,8 +52,9 @@ def pose_layer_norm(x: Tensor, norm: nn.Module) -> Tensor:
         and norm.bias is not None
         and x.shape[-1] <= _MAX_D
         and x.numel() > 0
-        and choose(x, norm.weight, norm.bias).backend == "native"
+        and choose(x, norm.weight, norm.bias, autocast=autocast_dtype(x)).backend == "native"
     ):
+        x = x.float()  # autocast's 16-bit poses: LayerNorm runs in float32 (as autocast's own)
         d = x.shape[-1]
         y = _PoseLayerNorm.apply(x.contiguous().view(-1, d), norm.weight, norm.bias, norm.eps)
         return y.view(x.shape)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from capsctl.layers.backend import bindings
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import autocast_dtype, choose
 from capsctl.layers.passes.layout import permute_rows
 from capsctl.layers.passes.pose_norm import pose_layer_norm
 
@@ -100,7 +100,7 @@ def _compiled(x: Tensor, norm: nn.Module, sites: int, rows: int, d: int) -> bool
         and norm.bias is not None
         and sites % _BLOCK == 0
         and x.numel() > 0
-        and choose(x, norm.weight, norm.bias).backend == "native"
+        and choose(x, norm.weight, norm.bias, autocast=autocast_dtype(x)).backend == "native"
     )
 
 
@@ -117,8 +117,9 @@ def layout_layer_norm(
     sites = math.prod(x.shape[2:-1] if rows_in else x.shape[1:-1])
     d = x.shape[1] * x.shape[-1] if rows_in else x.shape[-1]
     if _compiled(x, norm, sites, rows, d):
+        # autocast's 16-bit poses: LayerNorm runs in float32 (as autocast's own)
         out: Tensor = _LayoutLayerNorm.apply(
-            x.contiguous(), norm.weight, norm.bias, norm.eps, sites, rows_in, rows_out
+            x.float().contiguous(), norm.weight, norm.bias, norm.eps, sites, rows_in, rows_out
         )
         return out
     y = pose_layer_norm(to_standard(x) if rows_in else x, norm)

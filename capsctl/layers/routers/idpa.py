@@ -26,7 +26,7 @@ from capsctl.layers.algorithm import (
     RoutingAlgorithm,
     RoutingTrace,
 )
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import autocast_dtype, choose
 from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules, PrimaryCapsules
 from capsctl.layers.passes.rows_first import SIDE
 
@@ -185,7 +185,7 @@ def rows_first_plan(
         return None
     if not all(isinstance(m.norm, nn.LayerNorm) for m in [primary, *layers]):
         return None
-    if choose(feats, primary.conv.weight).backend != "native":
+    if choose(feats, primary.conv.weight, autocast=autocast_dtype(feats)).backend != "native":
         return None  # export's and compile's plain ops, other devices and dtypes
     big_l = len(layers)
     rows = [

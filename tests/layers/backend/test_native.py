@@ -411,6 +411,18 @@ def test_a_training_step_equals_the_torch_code(router: str) -> None:
     assert_same_step(fast, slow, floor=1e-6)
 
 
+def test_the_self_test_passes_when_first_loaded_under_autocast(fresh_load: None) -> None:
+    """A model's first pass often runs under bf16 autocast (training with ``train.amp``): the
+    self-test must compare the loops with float32 torch code there too, not with bf16 results
+    (which differ by far more than its tolerance), or the loops are switched off for the
+    process and the library is rebuilt."""
+    _require_native()
+    native._load.cache_clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        status = native.native_status()
+    assert status.startswith("on"), status
+
+
 def test_the_library_is_built_once_into_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
 ) -> None:
