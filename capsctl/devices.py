@@ -17,7 +17,17 @@ import torch
 
 from capsctl.errors import UsageError
 
-__all__ = ["autocast", "denormals_flushed", "flush_denormals", "in_float32", "resolve_device"]
+__all__ = [
+    "autocast",
+    "cpu_bf16_units",
+    "denormals_flushed",
+    "faster_in_bf16",
+    "flush_denormals",
+    "in_float32",
+    "native_bf16",
+    "resolve_amp",
+    "resolve_device",
+]
 
 T = TypeVar("T")
 
@@ -58,29 +68,62 @@ def _mps_available() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
+def cpu_bf16_units() -> str:
+    """The bf16 units of this CPU that torch's kernels use: ``"amx"`` (AMX tiles: oneDNN's bf16
+    matrix products and convolutions run several times faster than in float32),
+    ``"avx512_bf16"`` (AVX-512 BF16 alone: bf16 dot products, but converting to and from float32
+    costs more than they save) or ``""`` (none)."""
+    cpu = torch.cpu
+    try:
+        if cpu._is_amx_tile_supported():
+            return "amx"
+        if cpu._is_avx512_bf16_supported() or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "avx512_bf16"
+    except (AttributeError, RuntimeError):
+        pass
+    return ""
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 natively: a CUDA device torch reports bf16 support for,
     or a CPU with AVX-512 BF16 or AMX (oneDNN's bf16 support)."""
     if device.type == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if device.type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return False
+        return bool(cpu_bf16_units())
     return False
+
+
+def faster_in_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether training on ``device`` is faster under bf16 autocast than in float32, and why
+    (what ``train.amp: auto`` follows): a CUDA device with bf16, a CPU with AMX. A CPU with
+    AVX-512 BF16 but no AMX trains slower in bf16: on a 2-core Xeon of that kind ResNet-18's
+    step at batch 32 took 1.30-1.62x as long in bf16 as in float32, and every capsule model but
+    EM's was slower too (docs/PERFORMANCE.md, "Precision")."""
+    if device.type == "cpu":
+        units = cpu_bf16_units()
+        if units == "amx":
+            return True, "the cpu has AMX"
+        if units:
+            return False, "the cpu has AVX-512 BF16 but no AMX, where bf16 trains slower"
+        return False, "the cpu has no native bf16"
+    if native_bf16(device):
+        return True, f"the {device.type} has native bf16"
+    return False, f"the {device.type} has no native bf16"
 
 
 def resolve_amp(amp: bool | str, device: torch.device) -> tuple[bool, str]:
     """``train.amp`` (``true``, ``false`` or ``auto``) on ``device``: whether training runs
-    under bf16 autocast, and why (for the line that starts training)."""
+    under bf16 autocast, and why (for the line that starts training). ``auto`` is bf16 where
+    it trains faster (:func:`faster_in_bf16`)."""
     if amp is True:
         return True, "bf16 autocast (train.amp: true)"
     if amp is False:
         return False, "float32 (train.amp: false)"
-    if native_bf16(device):
-        return True, f"bf16 autocast (train.amp: auto; the {device.type} has native bf16)"
-    return False, f"float32 (train.amp: auto; the {device.type} has no native bf16)"
+    faster, why = faster_in_bf16(device)
+    if faster:
+        return True, f"bf16 autocast (train.amp: auto; {why})"
+    return False, f"float32 (train.amp: auto; {why})"
 
 
 def autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextManager[Any]:

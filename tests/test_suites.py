@@ -114,6 +114,15 @@ def test_every_member_of_a_bundled_suite_builds(name: str) -> None:
         assert sum(p.numel() for p in model.parameters()) > 0, (name, pair.member.name)
 
 
+@pytest.mark.parametrize("name", [n for n, _ in list_suites()])
+def test_every_bundled_suite_pins_its_precision(name: str) -> None:
+    # train.amp: auto would train a suite's runs in bf16 on one machine and float32 on another,
+    # and a suite resumed elsewhere would mix the two: every bundled suite names its precision
+    suite = load_suite(name)
+    for pair in plan_pairs(suite, Path("unused")):
+        assert resolved_pair_preset(suite, pair).train.amp is False, (name, pair.member.name)
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from capsctl.bench.memory import RssSampler, release_memory
 from capsctl.bench.results import BenchRow, add_ratios
 from capsctl.config import build_model, resolve_config
-from capsctl.devices import autocast, flush_denormals, resolve_device
+from capsctl.devices import autocast, flush_denormals, resolve_amp, resolve_device
 from capsctl.errors import UsageError
 from capsctl.events import EventFn, emit
 from capsctl.layers import dispatch
@@ -67,7 +67,7 @@ def run_bench(
     routing: str | None = None,
     threads: int | None = None,
     seed: int = 0,
-    amp: bool = False,
+    amp: bool | str = "auto",
     channels_last: bool = False,
     compile: bool = False,
     on_event: EventFn = None,
@@ -82,8 +82,9 @@ def run_bench(
     ``iterations``/``routing`` override the routing of capsule models (via ``set_routing``) and
     are ignored for the others. ``device``: cpu, cuda[:N], mps or auto. ``threads`` calls
     ``torch.set_num_threads`` (process-wide, left in place). ``seed`` fixes weights, inputs and
-    labels (the global RNG state is restored afterwards). ``amp`` runs forward passes under bf16
-    autocast, ``channels_last`` puts model and inputs in that memory format, ``compile`` times
+    labels (the global RNG state is restored afterwards). ``amp`` (``True``, ``False`` or
+    ``"auto"``, as ``train.amp``: :func:`capsctl.devices.resolve_amp`) runs forward passes under
+    bf16 autocast, ``channels_last`` puts model and inputs in that memory format, ``compile`` times
     ``torch.compile(model)`` (compilation happens in the warm-up steps, so give at least one;
     the ratios then compare compiled models). Speed ratios are relative to
     ``resnet18`` when it is among the models (:func:`capsctl.bench.results.add_ratios`).
@@ -92,10 +93,11 @@ def run_bench(
     counts models from 1) and ``{"event": "bench_step", "name", "phase", "step", "steps",
     "warmup"}`` after every timed or warm-up step (``step`` counts from 1 to warmup + iters).
     """
-    settings = _Settings(batch_size, iters, warmup, train, infer, iterations, routing, seed)
-    settings = dataclasses.replace(settings, amp=amp, channels_last=channels_last, compile=compile)
-    _check_settings(settings, threads)
     dev = resolve_device(device)
+    settings = _Settings(batch_size, iters, warmup, train, infer, iterations, routing, seed)
+    bf16, _ = resolve_amp(amp, dev)
+    settings = dataclasses.replace(settings, amp=bf16, channels_last=channels_last, compile=compile)
+    _check_settings(settings, threads)
     specs = [_label_and_config(m) for m in models]
     if threads is not None:
         torch.set_num_threads(threads)

@@ -52,9 +52,14 @@ def bench_cmd(
         typer.Option(help="torch intra-op threads.", parser=Int("--threads", 1, MAX_COUNT)),
     ] = None,
     amp: Annotated[
-        bool,
-        typer.Option("--amp/--no-amp", help="bf16 autocast on or off (as train's flags)."),
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--amp/--no-amp",
+            help="bf16 autocast on or off (default: auto, as train's: bf16 where the device "
+            "trains faster in it).",
+            show_default=False,
+        ),
+    ] = None,
     channels_last: Annotated[
         bool, typer.Option("--channels-last", help="channels_last memory format.")
     ] = False,
@@ -96,7 +101,7 @@ def bench_cmd(
             iterations=iterations,
             routing=routing,
             threads=threads,
-            amp=amp,
+            amp="auto" if amp is None else amp,
             channels_last=channels_last,
             compile=compile_,
             on_event=on_event,

@@ -93,8 +93,8 @@ def train_cmd(
         bool | None,
         typer.Option(
             "--amp/--no-amp",
-            help="bf16 autocast on or off (default: the preset's train.amp; auto: bf16 where "
-            "the device computes it natively).",
+            help="bf16 autocast on or off (default: the preset's train.amp, auto unless it "
+            "says otherwise: bf16 where the device trains faster in it, a GPU or a CPU with AMX).",
             show_default=False,
         ),
     ] = None,

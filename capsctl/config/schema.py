@@ -161,8 +161,9 @@ class TrainConfig:
     ``steps_per_epoch`` caps the batches per epoch (smoke tests, quick runs);
     ``final_test: false`` ends the run without touching the test set (a learning-rate tuning
     run, judged on its validation split: capsctl/suites/tuning.py);
-    ``amp``: bf16 autocast (``true``), float32 (``false``), or bf16 where the device computes
-    it natively (``auto``: a CPU with AVX-512 BF16 or AMX, a GPU with bf16; capsctl/devices.py).
+    ``amp``: bf16 autocast (``true``), float32 (``false``), or bf16 where the device trains
+    faster in it (``auto``, the default: a CPU with AMX, a GPU with bf16; not a CPU with
+    AVX-512 BF16 alone, where bf16 trains slower; capsctl/devices.py).
     """
 
     # Keys that older versions wrote and that are ignored when read: ``workers`` never had an
@@ -185,7 +186,7 @@ class TrainConfig:
     loss: Literal["auto", "cross_entropy", "bce", "margin", "spread"] = "auto"
     grad_clip: float | None = None
     ema_decay: float | None = None
-    amp: bool | Literal["auto"] = False
+    amp: bool | Literal["auto"] = "auto"
     channels_last: bool = False
     compile: bool = False
     seed: int = 0
