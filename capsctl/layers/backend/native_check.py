@@ -36,10 +36,10 @@ from capsctl.user_cache import not_private
 
 __all__ = ["SelfTestError", "self_test", "verify", "write_checksum"]
 
-# (a, x, c, m): the sizes compiled in (4x4 poses and 16-d vectors with 32 and 10 parents),
+# (a, x, c, m): the sizes compiled in (4x4 poses and 16-d vectors with 32, 16 and 10 parents),
 # 4x4 poses with a run-time parent count and a shape of run-time sizes only
-VOTE_SHAPES = ((4, 4, 4, 32), (4, 4, 4, 10), (4, 4, 4, 3), (1, 16, 16, 32), (1, 16, 16, 10))
-VOTE_SHAPES += ((2, 3, 5, 2),)
+VOTE_SHAPES = ((4, 4, 4, 32), (4, 4, 4, 16), (4, 4, 4, 10), (4, 4, 4, 3))
+VOTE_SHAPES += ((1, 16, 16, 32), (1, 16, 16, 16), (1, 16, 16, 10), (2, 3, 5, 2))
 J, B = 3, 5  # children, sites
 RTOL = 1e-3  # of the largest reference value: float32 with -ffast-math's reassociated sums
 

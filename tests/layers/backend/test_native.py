@@ -75,13 +75,15 @@ def _loop_weighted(x, w, r):  # noqa: ANN001, ANN202
     return s
 
 
-# (J, B, a, x, m, c): 4x4 poses and 16-d pose vectors with the compiled sizes (32 and 10
+# (J, B, a, x, m, c): 4x4 poses and 16-d pose vectors with the compiled sizes (32, 16 and 10
 # parents), 4x4 poses with a run-time one, a single parent, other vector poses, a single child;
 # more sites than one block of the loops (16) in some
 SHAPES = [
     (9, 21, 4, 4, 32, 4),
+    (6, 19, 4, 4, 16, 4),
     (7, 6, 4, 4, 10, 4),
     (5, 18, 1, 16, 32, 16),
+    (4, 17, 1, 16, 16, 16),
     (4, 5, 1, 16, 10, 16),
     (5, 4, 4, 4, 3, 4),
     (6, 3, 4, 4, 1, 4),
