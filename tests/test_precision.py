@@ -3,6 +3,7 @@ default), and the line that starts training saying which and why (capsctl/device
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,11 @@ def test_the_line_that_starts_training_says_the_precision(
     code, _, err = run_cli(capsys, [*args, "--amp", "--out", str(tmp_path / "b")])
     assert code == 0, err
     assert "precision: bf16 autocast (train.amp: true)" in err
+    # each epoch's record keeps the precision it trained in (auto says nothing by itself)
+    for run, precision in (("a", "float32"), ("b", "bf16")):
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        history = [json.loads(line) for line in lines]
+        assert [h["precision"] for h in history] == [precision]
 
 
 @pytest.mark.parametrize(("flag", "amp"), [("--amp", True), ("--no-amp", False)])

@@ -162,6 +162,7 @@ class Trainer(RunSetUp, RunEnd):
             "train_accuracy": float(correct) / max(seen, 1),
             "lr": self.optimizer.param_groups[0]["lr"],
             "epoch_seconds": stats.seconds(piece),
+            "precision": "bf16" if self.amp else "float32",  # train.amp as resolved here
             **machine_load(),
             "images": int(seen),
             # this process's rate, scaled to the images of every process
