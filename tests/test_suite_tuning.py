@@ -244,10 +244,13 @@ def test_tiny_suite_is_tuned_on_validation_then_run_with_the_choice(
     assert (csv_row["lr"], csv_row["lr_chosen_on"]) == (f"{member['chosen']:.6g}", "val")
     # The ledger keeps the tuning runs beside the final ones.
     ledger = tmp_path / "ledger"
-    code, _, err = run_cli(capsys, ["suite", "archive", str(out), "--to", str(ledger)])
+    code, said, err = run_cli(capsys, ["suite", "archive", str(out), "--to", str(ledger)])
     assert code == 0, err
     for lr in member["grid"]:
         assert (ledger / tune_relpath("idpa", lr) / "results.json").exists()
+        # each tuning run named by its rate, not as a seed of the member
+        assert f"idpa lr {lr:g} (tuning): added" in said
+    assert said.count("idpa seed 0: added") == 1  # the final run alone
 
 
 def test_printed_commands_tune_first_then_train_at_the_choice(tmp_path: Path) -> None:

@@ -382,7 +382,8 @@ def archive_cmd(
                 f"not scored on {', '.join(p['missing'])}; not archived (capsctl suite report "
                 f"{shlex.quote(str(runs))} scores it)"
             )
-        print_plain(f"{p['member']} seed {p['seed']}: {what}\n")
+        run = f"lr {p['lr']:g} (tuning)" if "lr" in p else f"seed {p['seed']}"
+        print_plain(f"{p['member']} {run}: {what}\n")
     statuses = [p["status"] for p in result.pairs]
     written = statuses.count("added") + statuses.count("replaced")
     kept = statuses.count("kept")
