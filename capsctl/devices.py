@@ -105,7 +105,7 @@ def faster_in_bf16(device: torch.device) -> tuple[bool, str]:
         if units == "amx":
             return True, "the cpu has AMX"
         if units:
-            return False, "the cpu has AVX-512 BF16 but no AMX, where bf16 trains slower"
+            return False, "the cpu has no AMX, so bf16 trains slower"
         return False, "the cpu has no native bf16"
     if native_bf16(device):
         return True, f"the {device.type} has native bf16"

@@ -41,7 +41,7 @@ def test_auto_is_bf16_where_the_device_trains_faster_in_it(
     assert devices.native_bf16(CPU)
     assert devices.resolve_amp("auto", CPU) == (
         False,
-        "float32 (train.amp: auto; the cpu has AVX-512 BF16 but no AMX, where bf16 trains slower)",
+        "float32 (train.amp: auto; the cpu has no AMX, so bf16 trains slower)",
     )
     monkeypatch.setattr(devices, "cpu_bf16_units", lambda: "")
     assert not devices.native_bf16(CPU)

@@ -44,7 +44,9 @@ class _PoseLayerNorm(torch.autograd.Function):
 
 def pose_layer_norm(x: Tensor, norm: nn.Module) -> Tensor:
     """``norm(x)`` for poses ``x[..., d]``; a :class:`torch.nn.LayerNorm` over the last
-    dimension with weight and bias runs as the compiled loops where they can run."""
+    dimension with weight and bias runs as the compiled loops where they can run. Under
+    autocast, 16-bit poses run the loops in float32 and come back in their own dtype, as
+    autocast's LayerNorm on a CPU returns them."""
     if (
         isinstance(norm, nn.LayerNorm)
         and len(norm.normalized_shape) == 1
@@ -54,8 +56,8 @@ def pose_layer_norm(x: Tensor, norm: nn.Module) -> Tensor:
         and x.numel() > 0
         and choose(x, norm.weight, norm.bias, autocast=autocast_dtype(x)).backend == "native"
     ):
-        x = x.float()  # autocast's 16-bit poses: LayerNorm runs in float32 (as autocast's own)
         d = x.shape[-1]
-        y = _PoseLayerNorm.apply(x.contiguous().view(-1, d), norm.weight, norm.bias, norm.eps)
-        return y.view(x.shape)
+        rows = x.float().contiguous().view(-1, d)  # autocast's 16-bit poses: float32 inside
+        y = _PoseLayerNorm.apply(rows, norm.weight, norm.bias, norm.eps)
+        return y.view(x.shape).to(x.dtype)
     return norm(x)

@@ -117,10 +117,10 @@ def layout_layer_norm(
     sites = math.prod(x.shape[2:-1] if rows_in else x.shape[1:-1])
     d = x.shape[1] * x.shape[-1] if rows_in else x.shape[-1]
     if _compiled(x, norm, sites, rows, d):
-        # autocast's 16-bit poses: LayerNorm runs in float32 (as autocast's own)
+        # autocast's 16-bit poses: float32 inside, their own dtype out (as pose_layer_norm)
         out: Tensor = _LayoutLayerNorm.apply(
             x.float().contiguous(), norm.weight, norm.bias, norm.eps, sites, rows_in, rows_out
         )
-        return out
+        return out.to(x.dtype)
     y = pose_layer_norm(to_standard(x) if rows_in else x, norm)
     return to_rows(y, rows) if rows_out else y

@@ -73,8 +73,8 @@ def test_values_and_gradients_match_the_equation(
 
 
 def test_the_torch_module_runs_where_the_loops_must_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """float64, bf16 (autocast), export's dense mode, no affine weights, a norm over two
-    dimensions: the module itself, with its own results."""
+    """float64, export's dense mode, no affine weights, a norm over two dimensions: the module
+    itself, with its own results."""
 
     calls = []
     real = _PoseLayerNorm.apply
@@ -85,8 +85,6 @@ def test_the_torch_module_runs_where_the_loops_must_not(monkeypatch: pytest.Monk
     norm = norm.float()
     with dispatch.use("dense"):
         assert torch.equal(pose_layer_norm(x, norm), norm(x))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        pose_layer_norm(x.bfloat16(), norm)
     bare = nn.LayerNorm(16, elementwise_affine=False)
     assert torch.equal(pose_layer_norm(x, bare), bare(x))
     two = nn.LayerNorm((3, 16))
@@ -110,3 +108,21 @@ def test_capsule_layers_normalize_through_the_loops(monkeypatch: pytest.MonkeyPa
     norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
     assert len(calls) >= len(norms) > 1
     assert all(n.weight.grad is not None for n in norms)
+
+
+def test_under_autocast_bf16_poses_run_the_loops_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Autocast's bf16 activations: the loops, in float32 inside, and bf16 out, as autocast's own
+    LayerNorm on a CPU returns them."""
+    _require_native()
+    calls = []
+    real = _PoseLayerNorm.apply
+    monkeypatch.setattr(_PoseLayerNorm, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 3, 16).bfloat16()
+    norm = layer(16, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pose_layer_norm(x, norm)
+        want = norm(x)
+    assert calls and got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)  # bf16's tolerances
