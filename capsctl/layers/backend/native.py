@@ -5,8 +5,9 @@ The chunked routed pass (capsctl/layers/passes/routed.py) runs each tile of vote
 torch kernels, every one a full pass over a tile in the cache. The same math written as one loop
 nest over (site, child) pairs keeps a pair's votes (``a*c*m`` floats, 2 KiB for 4x4 poses and
 32 parents) in the first-level cache from their product to the weighted sum. It is plain C++
-with no dependency (not even torch's headers): built here with the system's C++ compiler in
-about a second, cached per source, compiler and CPU, loaded with :mod:`ctypes` (which releases
+with no dependency (not even torch's headers): built here with the system's C++ compiler once
+(each source in a process of its own, in parallel: about 20 s on two cores), cached per source,
+compiler and CPU, loaded with :mod:`ctypes` (which releases
 the GIL during a call, so the threads of capsctl/layers/backend/chunks.py run their sites in
 parallel).
 
@@ -46,6 +47,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from capsctl.environment import switch
@@ -216,17 +218,24 @@ def _build(cxx: list[str], library: Path) -> ctypes.CDLL:
     """Compile the library to a temporary file next to ``library``, load and self-test it,
     record its checksum and rename it to ``library`` (so that concurrent builds and an
     interrupted one never leave a partial file under the final name, and a library that fails
-    its self-test is never cached)."""
+    its self-test is never cached). Each source compiles in a process of its own, as many at
+    once as this process may use CPUs, then one link: on two cores 19 s instead of 37."""
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=library.parent)
     os.close(fd)
     try:
-        cmd = [*cxx, *build_flags(), *map(str, SOURCES), "-o", tmp, "-lm"]
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-        )
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise RuntimeError(f"{Path(cxx[0]).name} failed: {last}")
+        with tempfile.TemporaryDirectory(prefix=".objects-", dir=library.parent) as objects:
+            outputs = [str(Path(objects) / f"{src.stem}.o") for src in SOURCES]
+            compiles = [
+                [*cxx, *build_flags(), "-c", str(src), "-o", out]
+                for src, out in zip(SOURCES, outputs, strict=True)
+            ]
+            with ThreadPoolExecutor(max_workers=_build_workers()) as pool:
+                for failed in pool.map(_compile, compiles):
+                    if failed:
+                        raise RuntimeError(f"{Path(cxx[0]).name} failed: {failed}")
+            failed = _compile([*cxx, *build_flags(), *outputs, "-o", tmp, "-lm"])
+            if failed:
+                raise RuntimeError(f"{Path(cxx[0]).name} failed: {failed}")
         os.chmod(tmp, 0o755)  # the linker may have made it with the user's umask
         lib = _open(Path(tmp))
         native_check.write_checksum(library, Path(tmp))
@@ -235,6 +244,24 @@ def _build(cxx: list[str], library: Path) -> ctypes.CDLL:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def _build_workers() -> int:
+    """Compiler processes at once: the CPUs this process may run on (at least one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _compile(cmd: list[str]) -> str:
+    """Run one compiler command; "" when it succeeds, else the last line it printed."""
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+    )
+    if done.returncode == 0:
+        return ""
+    return (done.stderr.strip().splitlines() or ["no message"])[-1]
 
 
 def _private_folders() -> Iterator[Path]:
@@ -269,7 +296,7 @@ def _cached_or_built(cxx: list[str]) -> tuple[ctypes.CDLL, Path]:
             continue
         if why == "missing":
             log.warning(
-                "compiling the routing loops for this CPU (once, about 15 s) into %s", folder
+                "compiling the routing loops for this CPU (once, about 20 s) into %s", folder
             )
         else:
             log.warning("rebuilding the compiled routing loops %s: %s", library, why)

@@ -839,6 +839,32 @@ def test_a_compiler_command_with_arguments(
     _same_as_torch()
 
 
+def test_each_source_compiles_in_a_process_of_its_own_then_one_link(
+    real_library: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
+) -> None:
+    """The sources compile in parallel (the first use waits for the slowest, not the sum),
+    and no object file is left behind."""
+    fake = _fake_compiler(tmp_path, real_library)
+    log = tmp_path / "calls.log"
+    logging = tmp_path / "logging-c++"
+    logging.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\nexec "{fake}" "$@"\n')
+    logging.chmod(0o755)
+    cache = tmp_path / "cache"
+    _fresh(monkeypatch, str(logging), cache, tmp_path / "temp")
+    assert native.native_status().startswith("on (")
+    calls = [line.split() for line in log.read_text().splitlines() if "--version" not in line]
+    compiles = [c for c in calls if "-c" in c]
+    assert sorted(c[c.index("-c") + 1] for c in compiles) == sorted(map(str, native.SOURCES))
+    (link,) = [c for c in calls if "-c" not in c]
+    objects = [a for a in link if a.endswith(".o")]
+    assert sorted(objects) == sorted(c[c.index("-o") + 1] for c in compiles)
+    assert [p.suffix for p in (cache / "kernels").iterdir()] in (
+        [".so", ".sha256"],
+        [".sha256", ".so"],
+    )
+    assert native._build_workers() >= 1
+
+
 def test_the_first_build_is_announced_in_one_line(
     real_library: Path,
     tmp_path: Path,
