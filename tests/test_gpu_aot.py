@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 
 from capsctl.config import build_model  # noqa: E402
 from capsctl.layers import gpu_aot  # noqa: E402
+from capsctl.layers.backend import dispatch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -274,6 +275,23 @@ def test_under_bf16_autocast_the_votes_reach_the_kernels_in_bf16(router: str) ->
     if router == "self":
         forward = next(v for v in votes if v.kernel == "pass_forward")
         assert dict(forward.signature)["r_ptr"] == "*fp32"  # the mass
+
+
+def test_the_modelled_step_is_a_steady_one_without_the_first_steps_proof() -> None:
+    """A fused pass proves its backward once at new shapes (dispatch.run_fused), in a training's
+    first step only: the captured step is the steady one, each launch and operator once, and
+    the proof's record of shapes is left as it was."""
+    torch.manual_seed(0)
+    net = build_model({"base": PRESETS["dynamic"], **TINY}).train()
+    before = set(dispatch._FUSED_PROVEN)
+    ops: list = []
+    launches = gpu_aot.capture_step(net, (2, 3, 8, 8), 2, ops=ops)
+    assert before == dispatch._FUSED_PROVEN
+    forward = [v for v in launches if v.kernel == "pass_forward"]
+    # dynamic routing's T=3: two routed passes a layer, each launched once forward
+    torch.manual_seed(0)
+    layers = len(build_model({"base": PRESETS["dynamic"], **TINY}).capsules)
+    assert len(forward) == 2 * layers
 
 
 def test_the_script_captures_and_writes_its_report(tmp_path: Path, capsys) -> None:

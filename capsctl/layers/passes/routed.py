@@ -269,8 +269,12 @@ def routed_pass(
     if choice.backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
         fused = run_fused("routed", functools.partial(_triton_routed, scale=scale), x, w, p)
         if fused is not None:
-            s, r = fused  # [B, m, a, c], [J, B, m] (not differentiable)
-            return s, r.to(x.dtype)
+            # [B, m, a, c], [J, B, m] (not differentiable); R stays in the kernels' float32,
+            # as every other backend returns it: a cast to the votes' 16-bit dtype would move
+            # 1.5x R's bytes (347 MB a pass on cifar10-dynamic-simple at batch 128) for
+            # coefficients that only traces read
+            s, r = fused
+            return s, r
         choice = Choice("chunked", "the Triton kernel failed at these shapes")
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
         s, r = ChunkedRoutedPass.apply(x, w, p, scale, choice)

@@ -407,8 +407,10 @@ def test_bf16_reaches_the_kernels_under_autocast(monkeypatch: pytest.MonkeyPatch
     s64, _ = routed_equations(x, w, p, scale)
     x, w, p = x.float(), w.float(), p.float()
     with dispatch.use("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
-        s, _ = routed_pass_under_autocast(x, w, p, scale)
+        s, r = routed_pass_under_autocast(x, w, p, scale)
     assert seen == [torch.bfloat16] and s.dtype == torch.bfloat16
+    # the coefficients stay in the kernels' float32, as on every backend (no cast of R)
+    assert r.dtype == torch.float32
     err = (s.double() - s64).abs().max() / s64.abs().max()
     assert err <= BF16_TOLERANCE
     # where the kernels do not run, the pass stays float32 under autocast

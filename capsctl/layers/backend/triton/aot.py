@@ -236,8 +236,9 @@ def _patched(items: Sequence[tuple[Any, str, Any]]) -> Iterator[None]:
 @contextlib.contextmanager
 def capturing() -> Iterator[list[Launch]]:
     """Inside the block the passes take the Triton kernels on any CPU tensor (the dispatch's
-    device check and self-test skipped), the custom ops run their own code and each kernel
-    launch is appended to the list yielded, not run."""
+    device check and self-test skipped, and the one-time proof of a pass's backward), the
+    custom ops run their own code and each kernel launch is appended to the list yielded, not
+    run."""
     from capsctl.layers.backend.triton import em, em_ops, kernels, ops  # noqa: F401
 
     launches: list[Launch] = []
@@ -245,6 +246,10 @@ def capturing() -> Iterator[list[Launch]]:
     # the launches a GPU gets: not the interpreter's (ops.kernel_meta widens 16-bit products
     # for it)
     items = [(dispatch, "triton_status", lambda device: ""), (ops, "interpreted", lambda: False)]
+    # a pass's backward proven once at new shapes (dispatch.run_fused) runs in a training's
+    # first step only, not in the step modelled here
+    items += [(dispatch, "_backward_once", lambda call, inputs: None)]
+    items += [(dispatch, "_FUSED_PROVEN", set())]
     for mod, names in KERNEL_NAMES.items():
         items += [(modules[mod], n, _Recorder(getattr(modules[mod], n), launches)) for n in names]
     with _patched(items), dispatch.use("triton"), _python_ops_mode():
