@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 from capsctl.config import build_model  # noqa: E402
 from capsctl.layers import gpu_aot  # noqa: E402
 from capsctl.layers.backend import dispatch  # noqa: E402
+from capsctl.layers.backend.triton.aot_ops import recording  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -98,6 +99,11 @@ def test_the_operators_of_a_step_are_costed_as_worked_out_by_hand() -> None:
     ]  # fmt: skip
     # views move no data and are not operators of the step; the loss's operators are
     assert not [o for o in ops if o.op in ("view", "t", "expand", "empty")]
+    # nor do the views ATen leaves untagged, as reshape's of a fresh result
+    a, b = torch.randn(4, 6), torch.randn(6, 2)
+    with recording() as seen:
+        torch.ops.aten._unsafe_view(a @ b, [8])
+    assert [o.op for o in seen] == ["mm"]
     assert {"_log_softmax", "nll_loss_forward"} <= {o.op for o in ops}
     # each modelled as a kernel: its bytes or FLOPs at the H100's rates, plus a launch
     assert gpu_aot.op_us(products[0]) == pytest.approx(896 / 2.68e12 * 1e6 + 5.0)

@@ -34,6 +34,9 @@ __all__ = ["OpCost", "recording"]
 
 # operators that allocate without writing: no data moves
 _ALLOCATIONS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+# views that ATen does not tag as views (no alias information): no data moves either
+# (``_unsafe_view`` is what ``reshape`` of a fresh result runs, e.g. after a matrix product)
+_UNTAGGED_VIEWS = ("_unsafe_view", "_reshape_alias")
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def _cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost | None:
     from torch.utils.flop_counter import flop_registry
 
     name = func.__name__.split(".")[0]
-    if func.namespace != "aten" or func.is_view or name in _ALLOCATIONS:
+    if func.namespace != "aten" or func.is_view or name in _ALLOCATIONS + _UNTAGGED_VIEWS:
         return None
     ins, outs = _tensors((args, kwargs)), _tensors(out)
     nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
