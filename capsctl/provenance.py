@@ -1,5 +1,6 @@
 """What produced a result: the capsctl commit (when run from a git checkout), the machine and
-the library versions, as results files and robustness measurements record them."""
+the library versions, as results files and robustness measurements record them, and how
+loaded the machine was (:func:`machine_load`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_model", "git_commit", "provenance"]
+__all__ = ["cpu_model", "git_commit", "machine_load", "provenance"]
 
 
 @cache
@@ -70,3 +71,15 @@ def provenance() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "device": device,
     }
+
+
+def machine_load() -> dict[str, float]:
+    """The machine's load average over the last minute and its CPU count now (``load_1m``,
+    ``cpus``), as a training epoch or a benchmarked model ends: a load above the CPUs means
+    the work shared the machine, so its seconds are an upper bound. Empty where the system has
+    no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return {}
+    return {"load_1m": round(load, 2), "cpus": os.cpu_count() or 1}

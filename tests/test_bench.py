@@ -66,6 +66,26 @@ def test_rows_have_fields_and_positive_numbers(with_resnet: Run) -> None:
     d = caps.to_dict()
     assert set(d) == {f.name for f in BenchRow.__dataclass_fields__.values()}
     assert d["name"] == "tiny-caps"
+    # the machine's load as each model's measurement ended: above its CPUs, a shared machine
+    for r in rows:
+        assert r.cpus is not None and r.cpus >= 1 and r.load_1m is not None and r.load_1m >= 0
+        assert r.shared() == (r.load_1m > r.cpus)
+
+
+def test_a_shared_machine_is_said_under_the_table(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from capsctl.views.measure import print_bench
+
+    monkeypatch.setattr(measure, "machine_load", lambda: {"load_1m": 3.5, "cpus": 2})
+    rows = run_bench([tiny()], **FAST)
+    assert (rows[0].load_1m, rows[0].cpus, rows[0].shared()) == (3.5, 2, True)
+    assert rows_to_csv(rows).splitlines()[1].endswith(",3.5,2")
+    print_bench(rows, 2, 1)
+    assert "shared machine" in " ".join(capsys.readouterr().err.split())
+    monkeypatch.setattr(measure, "machine_load", lambda: {"load_1m": 0.5, "cpus": 2})
+    print_bench(run_bench([tiny()], **FAST), 2, 1)
+    assert "shared machine" not in capsys.readouterr().err
 
 
 def test_ratios_relative_to_resnet18(with_resnet: Run) -> None:
@@ -175,7 +195,8 @@ def test_the_rows_say_which_backend_ran_the_passes() -> None:
         (row,) = run_bench([tiny()], **FAST)
     assert row.routing_backend == "chunked"
     assert "routing_backend" in rows_to_csv([row]).splitlines()[0].split(",")
-    assert rows_to_csv([row]).splitlines()[1].endswith(",chunked")
+    cells = rows_to_csv([row]).splitlines()[1].split(",")
+    assert cells[-3] == "chunked"  # then the machine's load and CPUs
 
 
 def test_channels_last_takes_a_model_with_5d_capsule_weights() -> None:
@@ -391,7 +412,7 @@ BENCH_HEADER = (
     "model,infer_samples_per_sec,infer_step_time,infer_batch_size,infer_img_size,"
     "train_samples_per_sec,train_step_time,train_batch_size,train_img_size,param_count,"
     "arch,device,iterations,routing,train_step_time_min,train_ratio,infer_ratio,"
-    "peak_rss_bytes,peak_device_bytes,params,routing_backend"
+    "peak_rss_bytes,peak_device_bytes,params,routing_backend,load_1m,cpus"
 )
 
 
@@ -445,6 +466,8 @@ def test_rows_to_csv_header_and_units() -> None:
         "peak_device_bytes": "",
         "params": "1234567",
         "routing_backend": "",
+        "load_1m": "",
+        "cpus": "",
     }
 
 

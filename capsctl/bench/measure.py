@@ -29,6 +29,7 @@ from capsctl.events import EventFn, emit
 from capsctl.layers import dispatch
 from capsctl.models import parameter_counts, to_channels_last
 from capsctl.models.spec import ModelConfig
+from capsctl.provenance import machine_load
 
 __all__ = ["ROUTING_MODES", "ModelSpec", "run_bench"]
 
@@ -164,6 +165,8 @@ def _measure_with_memory(
     with RssSampler() as sampler:
         row = _measure(label, cfg, dev, settings, on_event)
     row.peak_rss_bytes = sampler.peak_bytes
+    load = machine_load()  # as the model's measurement ends
+    row.load_1m, row.cpus = load.get("load_1m"), load.get("cpus")
     if dev.type == "cuda":
         row.peak_device_bytes = int(torch.cuda.max_memory_allocated(dev))
     return row

@@ -47,6 +47,14 @@ class BenchRow:
     # the implementations the vote-sized passes ran (capsctl/layers/backend/dispatch.py:
     # "native", "triton", "chunked", "dense", joined by "+" when several); None: no routing
     routing_backend: str | None = None
+    # the machine's 1-minute load average as the model's measurement ended, and its CPUs: a
+    # load above the CPUs means other work shared the machine (None: no load average here)
+    load_1m: float | None = None
+    cpus: int | None = None
+
+    def shared(self) -> bool:
+        """Whether other work shared the machine while this model was measured."""
+        return self.load_1m is not None and self.cpus is not None and self.load_1m > self.cpus
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +129,8 @@ BENCH_CSV_COLUMNS = (
     "peak_device_bytes",
     "params",
     "routing_backend",
+    "load_1m",
+    "cpus",
 )
 
 
@@ -156,6 +166,8 @@ def _csv_row(row: BenchRow) -> dict[str, Any]:
         "peak_device_bytes": row.peak_device_bytes,
         "params": row.params,
         "routing_backend": row.routing_backend,
+        "load_1m": row.load_1m,
+        "cpus": row.cpus,
     }
 
 
@@ -167,7 +179,8 @@ def rows_to_csv(rows: Sequence[BenchRow]) -> str:
     ``*_batch_size``/``*_img_size`` empty for a phase that was not measured, ``param_count``
     in millions (2 decimals). Then capsctl's: exact ``params``, the fastest training step
     (``train_step_time_min``, ms), ratios to resnet18, peak memory in bytes and the backend
-    the routing's passes ran (``routing_backend``).
+    the routing's passes ran (``routing_backend``), and the machine's load as the model's
+    measurement ended (``load_1m``, ``cpus``).
     """
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")

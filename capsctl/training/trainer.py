@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import shlex
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from capsctl.errors import CapsctlError
 from capsctl.evaluation import EvalResult, evaluate
 from capsctl.events import EventFn, emit
 from capsctl.losses import count_correct
+from capsctl.provenance import machine_load
 from capsctl.training.distributed import Distributed
 from capsctl.training.ending import FitResult, RunEnd
 from capsctl.training.epoch_stats import EpochStats
@@ -365,14 +365,3 @@ class Trainer(RunSetUp, RunEnd):
             self.replace.commit()
             self.replace = None
         emit(self.on_event, "checkpoint", path=str(self.out / files.LAST), epoch=epoch)
-
-
-def machine_load() -> dict[str, float]:
-    """The machine's load average over the last minute and its CPU count, as the epoch ends
-    (``load_1m``, ``cpus``): a load above the CPUs means the run shared the machine, so its
-    seconds are an upper bound. Empty where the system has no load average."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return {}
-    return {"load_1m": round(load, 2), "cpus": os.cpu_count() or 1}

@@ -66,6 +66,12 @@ def print_bench(rows: Sequence[Any], batch_size: int, iters: int) -> None:
     footnote(
         "peak mem: resident memory of the whole process while the model ran (device memory on GPU)"
     )
+    shared = [r.name for r in rows if r.shared()]
+    if shared:
+        footnote(
+            f"shared machine: the load average passed the {rows[0].cpus} CPUs while "
+            f"{', '.join(shared)} ran; their times are upper bounds"
+        )
     footnote(
         "passes: what ran the routing's vote-sized passes (native: compiled CPU loops, triton: "
         "fused GPU kernels, chunked: torch code, dense: one expression; CAPSCTL_DEBUG says why)"
