@@ -24,6 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN_STEPS = 20
 
 
+def require_native() -> None:
+    """Skip a test of the compiled CPU loops where they are not built; fail instead where
+    ``CAPSCTL_REQUIRE_NATIVE=1`` says they must be (CI)."""
+    from capsctl.layers.backend import native
+
+    status = native.native_status()
+    if not status.startswith("on"):
+        if os.environ.get("CAPSCTL_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"CAPSCTL_REQUIRE_NATIVE=1 but the compiled loops are {status}")
+        pytest.skip(f"compiled routing loops unavailable: {status}")
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], args: Sequence[str]) -> tuple[int, str, str]:
     """Run ``capsctl <args>`` in this process: its exit code, stdout and stderr."""
     from capsctl.cli import main

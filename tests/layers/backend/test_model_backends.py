@@ -4,13 +4,12 @@ fails here, naming the model, the router and the reason the dispatch gave."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import require_native
 
 from capsctl.config import build_model
-from capsctl.layers.backend import dispatch, native
+from capsctl.layers.backend import dispatch
 from capsctl.registry import get_config, list_models
 
 ROUTERS = ("idpa", "dynamic", "em", "self")
@@ -26,11 +25,7 @@ AUTOCAST = [case for case in CASES if not case[0].startswith("cifar100")]
 
 @pytest.fixture(autouse=True)
 def _native_required() -> None:
-    status = native.native_status()
-    if not status.startswith("on"):
-        if os.environ.get("CAPSCTL_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"CAPSCTL_REQUIRE_NATIVE=1 but the compiled loops are {status}")
-        pytest.skip(f"compiled routing loops unavailable: {status}")
+    require_native()
 
 
 def _choices(name: str, router: str | None, amp: bool, monkeypatch: pytest.MonkeyPatch) -> list:

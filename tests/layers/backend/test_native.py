@@ -21,20 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_native
 from routing_steps import assert_same_step, routing_model, training_step
 
 from capsctl.layers.backend import bindings, dispatch, native
 from capsctl.layers.passes.em_moments import VoteMoments, VoteQuad, vote_shift
 from capsctl.layers.passes.routed import routed_pass
 from capsctl.layers.passes.weighted import weighted_pass
-
-
-def _require_native() -> None:
-    status = native.native_status()
-    if not status.startswith("on"):
-        if os.environ.get("CAPSCTL_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"CAPSCTL_REQUIRE_NATIVE=1 but the compiled loops are {status}")
-        pytest.skip(f"compiled routing loops unavailable: {status}")
 
 
 @pytest.fixture
@@ -113,7 +106,7 @@ def _self_inputs(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_routed_pass_matches_the_equations(shape: tuple[int, ...]) -> None:
-    _require_native()
+    require_native()
     x, w, p = _inputs(shape, 0)
     s, r = routed_pass(x, w, p, 0.25)
     ref_s, ref_r = _loop_routed(x, w, p, 0.25)
@@ -123,7 +116,7 @@ def test_routed_pass_matches_the_equations(shape: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_weighted_pass_matches_the_equations(shape: tuple[int, ...]) -> None:
-    _require_native()
+    require_native()
     x, w, _ = _inputs(shape, 1)
     r = torch.rand(shape[0], shape[1], shape[4], generator=torch.Generator().manual_seed(2))
     s = weighted_pass(x, w, r)
@@ -141,7 +134,7 @@ def _grads(fn, inputs, seed):  # noqa: ANN001, ANN202
 def test_gradients_equal_those_of_the_torch_code(shape: tuple[int, ...]) -> None:
     """The torch code's gradients are checked against finite differences (passes/test_routed.py,
     routers/test_selfrouting.py); the compiled backward passes must give the same."""
-    _require_native()
+    require_native()
     x, w, p = _inputs(shape, 3)
     r = torch.rand(shape[0], shape[1], shape[4], generator=torch.Generator().manual_seed(4))
 
@@ -182,7 +175,7 @@ def _loop_em(x, wc, shift, r, act, qp):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_em_sums_match_the_equations_and_the_torch_code(shape: tuple[int, ...]) -> None:
-    _require_native()
+    require_native()
     j, b, a, xd, m, c = shape
     g = torch.Generator().manual_seed(10)
     x = torch.randn(j, b, a, xd, generator=g)
@@ -217,7 +210,7 @@ def test_self_routing_pass_equals_the_torch_code(shape: tuple[int, ...]) -> None
     (:class:`~capsctl.layers.passes.gated.GatedPass`): poses, activations, coefficients and
     every gradient (the activations', the poses' and the three weights') as the torch code's
     (whose gradients are checked against finite differences in routers/test_selfrouting.py)."""
-    _require_native()
+    require_native()
     from capsctl.layers.passes.gated import gated_pass
 
     act, x, w, wr, br = _self_inputs(shape, 12)
@@ -247,7 +240,7 @@ def test_weight_gradients_start_from_zero_in_uninitialized_accumulators(
     """The loops zero each thread's accumulator where they first touch it; filled with NaN
     (memory as it may come), the weights' gradients must still be those of the torch code.
     Per pair (4x4 and odd shapes) and per block (16-d vectors), threads and self-routing too."""
-    _require_native()
+    require_native()
     from capsctl.layers.passes.gated import gated_pass
 
     monkeypatch.setattr(bindings, "_accumulator", lambda x, shape: x.new_full(shape, float("nan")))
@@ -272,7 +265,7 @@ def test_weight_gradients_start_from_zero_in_uninitialized_accumulators(
 
 def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without this the tests above could pass by running the torch code twice."""
-    _require_native()
+    require_native()
     calls = []
     real = bindings.routed_forward
 
@@ -294,7 +287,7 @@ def test_the_compiled_loops_run_the_default_pass(monkeypatch: pytest.MonkeyPatch
 def test_tracing_for_export_never_runs_the_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside ``dispatch.use("dense")`` (ONNX and torch.export) every pass is one torch
     expression."""
-    _require_native()
+    require_native()
     from capsctl.layers.passes.gated import gated_pass
 
     calls = []
@@ -326,7 +319,7 @@ def test_tracing_for_export_never_runs_the_loops(monkeypatch: pytest.MonkeyPatch
 def test_threads_give_the_results_of_one_thread(
     threads: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _require_native()
+    require_native()
     x, w, p = _inputs((9, 13, 4, 4, 10, 4), 7)
     monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", "1")
     want = _grads(lambda *t: routed_pass(*t, 0.5)[0], (x, w, p), 8)
@@ -344,7 +337,7 @@ def test_threads_give_the_results_of_one_thread_in_self_routing(
 ) -> None:
     """The weights' three gradients (pose weights, routing weights, biases) share one
     accumulator per thread."""
-    _require_native()
+    require_native()
     from capsctl.layers.passes.gated import gated_pass
 
     act, x, w, wr, br = _self_inputs((9, 13, 4, 4, 10, 4), 7)
@@ -366,7 +359,7 @@ def test_threads_give_the_results_of_one_thread_in_self_routing(
 def test_self_routing_gradients_of_one_output_alone() -> None:
     """Only the parent activations (or only the poses) in the loss: the pass gets no gradient
     for the other output and must treat it as zero."""
-    _require_native()
+    require_native()
     from capsctl.layers.passes.gated import gated_pass
 
     act, x, w, wr, br = _self_inputs((9, 13, 4, 4, 10, 4), 21)
@@ -389,7 +382,7 @@ def test_self_routing_gradients_of_one_output_alone() -> None:
 
 def test_the_fused_self_routing_pass_counts_the_logits_flops() -> None:
     """The compiled pass computes the routing logits inside; the FLOP count must not change."""
-    _require_native()
+    require_native()
     from capsctl.compare.flops import count_flops
     from capsctl.config import build_model, resolve_config
 
@@ -402,7 +395,7 @@ def test_the_fused_self_routing_pass_counts_the_logits_flops() -> None:
 
 @pytest.mark.parametrize("router", ["idpa", "self", "dynamic", "em"])
 def test_a_training_step_equals_the_torch_code(router: str) -> None:
-    _require_native()
+    require_native()
     model = routing_model(router)
     x = torch.randn(2, 3, 32, 32)
     fast = training_step(model, x)
@@ -418,7 +411,7 @@ def test_the_self_test_passes_when_first_loaded_under_autocast(fresh_load: None)
     self-test must compare the loops with float32 torch code there too, not with bf16 results
     (which differ by far more than its tolerance), or the loops are switched off for the
     process and the library is rebuilt."""
-    _require_native()
+    require_native()
     native._load.cache_clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         status = native.native_status()

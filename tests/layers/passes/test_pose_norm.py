@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_native
 from torch import nn
 
-from capsctl.layers import dispatch, native_status
+from capsctl.layers import dispatch
 from capsctl.layers.passes.pose_norm import _PoseLayerNorm, pose_layer_norm
 
 EPS = 1e-5
-
-
-def _require_native() -> None:
-    if dispatch.choose(torch.zeros(1)).backend != "native":
-        pytest.skip(f"compiled loops not available: {native_status()}")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -46,7 +42,7 @@ def test_values_and_gradients_match_the_equation(
 ) -> None:
     """Rows of 16 (a compile-time length) and others, more rows than one thread's share and
     than the loops' partial sums of the weights' gradients (256 rows)."""
-    _require_native()
+    require_native()
     monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", threads)
     monkeypatch.setattr("capsctl.layers.backend.bindings.MIN_ROWS_PER_THREAD", 64)
     norm = layer(shape[-1], 1)
@@ -95,7 +91,7 @@ def test_the_torch_module_runs_where_the_loops_must_not(monkeypatch: pytest.Monk
 
 def test_capsule_layers_normalize_through_the_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The primary capsules' and every capsule layer's LayerNorm of cifar10-caps-simple."""
-    _require_native()
+    require_native()
     from capsctl.config import build_model, resolve_config
     from capsctl.layers.passes.rows_first import _LayoutLayerNorm
 
@@ -115,7 +111,7 @@ def test_under_autocast_bf16_poses_run_the_loops_in_float32(
 ) -> None:
     """Autocast's bf16 activations: the loops, in float32 inside, and bf16 out, as autocast's own
     LayerNorm on a CPU returns them."""
-    _require_native()
+    require_native()
     calls = []
     real = _PoseLayerNorm.apply
     monkeypatch.setattr(_PoseLayerNorm, "apply", lambda *a: calls.append(1) or real(*a))

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import require_native
 from torch import nn
 
-from capsctl.layers import dispatch, native_status
+from capsctl.layers import dispatch
 from capsctl.layers.passes.rows_first import _LayoutLayerNorm, layout_layer_norm
 
 EPS = 1e-5
-
-
-def _require_native() -> None:
-    if dispatch.choose(torch.zeros(1)).backend != "native":
-        pytest.skip(f"compiled loops not available: {native_status()}")
 
 
 def rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +59,7 @@ def _norm(seed: int) -> nn.LayerNorm:
 def test_values_and_gradients_in_every_layout(
     shape: tuple[int, ...], rows_in: bool, rows_out: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _require_native()
+    require_native()
     monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", "2")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(shape, generator=g) * 3 + 1
@@ -87,7 +83,7 @@ def test_values_and_gradients_in_every_layout(
 
 
 def test_the_loops_run_where_sites_fill_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    _require_native()
+    require_native()
     calls = []
     real = _LayoutLayerNorm.apply
     monkeypatch.setattr(_LayoutLayerNorm, "apply", lambda *a: calls.append(a[4]) or real(*a))
@@ -115,7 +111,7 @@ def test_plan_of_the_concurrent_schedule() -> None:
     class capsules route, so every pose but the class capsules' travels rows-first; at T=3 the
     second conv layer routes too: its children (windows) and its parents (the class capsules'
     children and its own query) go standard."""
-    _require_native()
+    require_native()
     from capsctl.layers.routers.idpa import rows_first_plan
 
     feats = torch.zeros(1, 128, 16, 16)
@@ -135,7 +131,7 @@ def test_plan_of_the_concurrent_schedule() -> None:
 def test_network_outputs_and_gradients_unchanged(
     name: str, iterations: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _require_native()
+    require_native()
     import capsctl.layers.routers.idpa as idpa
 
     m = _model(name, iterations=iterations)
@@ -160,7 +156,7 @@ def test_no_layout_copy_between_uniform_passes(monkeypatch: pytest.MonkeyPatch) 
     on rows-first, so no pose is copied between layouts forward or backward; the only copies
     are the class layer's children into child-major order for its routed pass and their
     gradient back."""
-    _require_native()
+    require_native()
     import capsctl.layers.passes.layout as layout
 
     copies = []
