@@ -273,8 +273,7 @@ def routed_pass(
             # as every other backend returns it: a cast to the votes' 16-bit dtype would move
             # 1.5x R's bytes (347 MB a pass on cifar10-dynamic-simple at batch 128) for
             # coefficients that only traces read
-            s, r = fused
-            return s, r
+            return fused
         choice = Choice("chunked", "the Triton kernel failed at these shapes")
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad):
         s, r = ChunkedRoutedPass.apply(x, w, p, scale, choice)
