@@ -85,6 +85,118 @@ def test_the_cost_model_of_a_weighted_forward_worked_out_by_hand() -> None:
     assert flop_rate("bfloat16", True) == (pytest.approx(989e12 * 0.55), "bf16")
 
 
+def _gate_launches() -> list[gpu_aot.Launch]:
+    """The launches of self-routing's gate, forward and backward, for ``x[8, 4, 16]``,
+    ``wr[8, 16, 2]``, ``br[8, 2]``, ``act[4, 8]``."""
+    from capsctl.layers.backend.triton.gate_ops import triton_gate
+
+    x, wr = torch.randn(8, 4, 16, requires_grad=True), torch.randn(8, 16, 2, requires_grad=True)
+    br, act = torch.randn(8, 2, requires_grad=True), torch.rand(4, 8, requires_grad=True)
+    with gpu_aot.capturing() as launches:
+        triton_gate(x, wr, br, act)[1].sum().backward()
+    return launches
+
+
+def test_the_cost_model_of_the_gate_worked_out_by_hand() -> None:
+    forward, backward = _gate_launches()
+    assert gpu_aot.describe(forward) == {"pass": "gate", "direction": "forward"}
+    assert gpu_aot.describe(backward) == {"pass": "gate", "direction": "backward"}
+    # forward: x 8*4*16 = 512 floats, wr 8*16*2 = 256, br 16, act 32, coef and mass 64 each:
+    # 944 floats, 3776 bytes; per coefficient entry (8*4*2 = 64) the logits 2*16 = 32 FLOPs,
+    # the softmax and the mass 5: 2368 FLOPs
+    assert gpu_aot.launch_cost(forward) == {"bytes": 3776, "flops": 2368, "dtype": "float32"}
+    # backward: wr 256, coef 64, act 32, G 64, dL 64, dX 512, d act 32: 1024 floats, 4096
+    # bytes; per entry d act 2, the softmax's backward 5, dX 32: 2496 FLOPs
+    assert gpu_aot.launch_cost(backward) == {"bytes": 4096, "flops": 2496, "dtype": "float32"}
+
+
+def _squash_launches() -> list[gpu_aot.Launch]:
+    """The launches of dynamic routing's squash, forward and backward, of ``s[10, 16]``."""
+    from capsctl.layers.backend.triton.squash_ops import triton_squash
+
+    s = torch.randn(10, 16, requires_grad=True)
+    with gpu_aot.capturing() as launches:
+        triton_squash(s).sum().backward()
+    return launches
+
+
+def test_the_cost_model_of_the_squash_worked_out_by_hand() -> None:
+    forward, backward = _squash_launches()
+    assert gpu_aot.describe(forward) == {"pass": "squash", "direction": "forward"}
+    assert gpu_aot.describe(backward) == {"pass": "squash", "direction": "backward"}
+    # forward: s and v, 160 floats each: 1280 bytes; 3 FLOPs an entry: 480
+    assert gpu_aot.launch_cost(forward) == {"bytes": 1280, "flops": 480, "dtype": "float32"}
+    # backward: s, G and ds: 1920 bytes; 6 FLOPs an entry: 960
+    assert gpu_aot.launch_cost(backward) == {"bytes": 1920, "flops": 960, "dtype": "float32"}
+
+
+def _e_step_launches() -> list[gpu_aot.Launch]:
+    """The launches of EM's E-step on a conv layer, forward and backward: 2 images of 2 types
+    on a 4x4 grid, 3x3 windows (8 sites of 18 children), 4 parent types."""
+    from capsctl.layers.backend.triton.estep_ops import triton_e_step
+    from capsctl.layers.routers.em.windows import WindowGrid
+
+    grid = WindowGrid.of(torch.zeros(2, 4, 4, 2), 3, 1)
+    quad = torch.rand(8, 18, 4, requires_grad=True)  # [B, J, m]
+    c = torch.randn(8, 1, 4, requires_grad=True)
+    with gpu_aot.capturing() as launches:
+        triton_e_step(quad, c, grid).sum().backward()
+    return launches
+
+
+def test_the_cost_model_of_the_e_step_worked_out_by_hand() -> None:
+    stats, apply, rowdot, backward = _e_step_launches()
+    assert [x.kernel for x in (stats, apply, rowdot, backward)] == [
+        "estep_forward", "estep_forward", "estep_rowdot", "estep_backward"
+    ]  # fmt: skip
+    assert gpu_aot.describe(stats) == {"pass": "e_step", "direction": "forward"}
+    assert gpu_aot.describe(backward) == {"pass": "e_step", "direction": "backward"}
+    # 8 * 18 = 144 rows of 4: quad 576 floats, c 32; the statistics' max and sum 144 each
+    # (the unwritten R is quad again): 896 floats, 3584 bytes; 4 FLOPs an entry: 2304
+    assert gpu_aot.launch_cost(stats) == {"bytes": 3584, "flops": 2304, "dtype": "float32"}
+    # the assignments: quad, c, top, total and R: 576 + 32 + 288 + 576 = 1472 floats
+    assert gpu_aot.launch_cost(apply) == {"bytes": 5888, "flops": 2304, "dtype": "float32"}
+    # sum R G: R, G 576 each, t 144: 1296 floats; 2 FLOPs an entry
+    assert gpu_aot.launch_cost(rowdot) == {"bytes": 5184, "flops": 1152, "dtype": "float32"}
+    # backward: R, G, t, d quad, dc (8 x 4): 576 * 3 + 144 + 32 = 1904 floats; 5 an entry
+    assert gpu_aot.launch_cost(backward) == {"bytes": 7616, "flops": 2880, "dtype": "float32"}
+
+
+def _m_step_launches() -> list[gpu_aot.Launch]:
+    """The launches of EM's M-step rest, forward and backward: 3 sites, 4 parent types of 16
+    pose entries."""
+    from capsctl.layers.backend.triton.mstep_ops import triton_m_step
+
+    s = torch.rand(2, 3, 16, 4, requires_grad=True)  # [2, B, d, m]
+    mass = torch.rand(3, 4, 1, requires_grad=True)
+    beta_u, beta_a = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    with gpu_aot.capturing() as launches:
+        mu, act, qp, c = triton_m_step(s, mass, torch.zeros(3, 16, 4), beta_u, beta_a, 0.5)
+        (mu.sum() + act.sum() + qp.sum() + c.sum()).backward()
+    return launches
+
+
+def test_the_cost_model_of_the_m_step_worked_out_by_hand() -> None:
+    forward, backward = _m_step_launches()
+    assert gpu_aot.describe(forward) == {"pass": "m_step", "direction": "forward"}
+    # forward: S 2*3*16*4 = 384 floats, mass 12, shift 192, betas 8, mu 192, act 12, qp 384,
+    # c 12: 1196 floats, 4784 bytes; 20 FLOPs a parent pose entry (3*4*16 = 192): 3840
+    assert gpu_aot.launch_cost(forward) == {"bytes": 4784, "flops": 3840, "dtype": "float32"}
+    # backward: the inputs (596 floats), the outputs' gradients (600), dS 384, dM 12 and the
+    # programs' beta sums (1 program: 2*4): 1600 floats, 6400 bytes; 60 FLOPs an entry
+    assert gpu_aot.launch_cost(backward) == {"bytes": 6400, "flops": 11520, "dtype": "float32"}
+
+
+@pytest.mark.slow
+def test_the_gate_squash_and_em_step_kernels_keep_the_budgets_on_sm_90a(tmp_path: Path) -> None:
+    launches = _gate_launches() + _squash_launches() + _e_step_launches() + _m_step_launches()
+    with gpu_aot.Compiler(tmp_path, timeout=120) as compiler:
+        for launch in launches:
+            out = compiler.compile(launch.spec(), 90)
+            assert gpu_aot.broken_budgets(out, launch.kernel) == [], (launch.kernel, out)
+            assert (out["mma"] > 0) == launch.kernel.startswith("gate_"), (launch.kernel, out)
+
+
 def test_the_operators_of_a_step_are_costed_as_worked_out_by_hand() -> None:
     # a linear layer of 16 -> 4 without bias on a batch of 8, one step in float32
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4, bias=False))
@@ -104,6 +216,11 @@ def test_the_operators_of_a_step_are_costed_as_worked_out_by_hand() -> None:
     with recording() as seen:
         torch.ops.aten._unsafe_view(a @ b, [8])
     assert [o.op for o in seen] == ["mm"]
+    # a fill shaped after another tensor writes its output and reads nothing: 8 floats
+    with recording() as seen:
+        big = torch.empty(1000)
+        big.new_zeros(8), torch.zeros_like(b)
+    assert [(o.op, o.bytes) for o in seen] == [("new_zeros", 32), ("zeros_like", 48)]
     assert {"_log_softmax", "nll_loss_forward"} <= {o.op for o in ops}
     # each modelled as a kernel: its bytes or FLOPs at the H100's rates, plus a launch
     assert gpu_aot.op_us(products[0]) == pytest.approx(896 / 2.68e12 * 1e6 + 5.0)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend import bindings
-from capsctl.layers.backend.dispatch import choose
+from capsctl.layers.backend.dispatch import choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import parent_major, prepare, site_major, unprepare_weights
 from capsctl.layers.passes.weighted import weighted_pass
@@ -106,6 +106,12 @@ class GatedPass(torch.autograd.Function):
         return gact, gx, unprepare_weights(gwc, c), gwr, gbr  # gw: [J, x, m, c]
 
 
+def _triton_gate(xj: Tensor, wr: Tensor, br: Tensor, act: Tensor) -> tuple[Tensor, Tensor]:
+    from capsctl.layers.backend.triton.gate_ops import triton_gate
+
+    return triton_gate(xj, wr, br, act)
+
+
 def gated_pass(
     act: Tensor,
     x: Tensor,
@@ -127,9 +133,10 @@ def gated_pass(
     ``chunk_sites``: sites per chunk (None: by its byte budget). On a CPU with the compiled loops
     (and no ``chunk_sites``) the logits, the coefficients, the mass and the weighted sum are one
     pass (:class:`GatedPass`), which keeps neither the logits nor the mass. Where the Triton
-    kernels run (a GPU), the logits are one batched matrix product and the weighted sum is
-    the Triton weighted pass (capsctl/layers/backend/triton/kernels.py): the coefficients
-    depend on the child alone, so no kernel of self-routing's own is needed. ``autocast``: the
+    kernels run (a GPU), the coefficients and the mass are one kernel of their own, which
+    never stores the logits (capsctl/layers/backend/triton/gate.py; torch's operators if it
+    fails), and the weighted sum is the Triton weighted pass (triton/kernels.py), since the
+    coefficients depend on the child alone. ``autocast``: the
     16-bit dtype of an autocast block the caller left (its inputs are float32): where the
     Triton kernels run, the votes are built from 16-bit poses and weights (float32 sums), and
     the logits, the softmax and the mass stay in float32."""
@@ -144,10 +151,15 @@ def gated_pass(
         u, total, coef = GatedPass.apply(act, x, w, wr, br)
         u = u / (total + SELF_ROUTING_EPS).unsqueeze(-1).unsqueeze(-1)  # [B, m, a, c]
         return u, parent_activations(total, act), coef
-    logits = routing_logits(x.reshape(j, bsz, a * xd), wr, br)  # [J, B, m]
-    coef, mass = gate(logits, act)  # [J, B, m] each
+    triton = choice is not None and choice.backend == "triton"
+    xj = x.reshape(j, bsz, a * xd)  # [J, B, a*x]
+    gated = run_fused("gate", _triton_gate, xj, wr, br, act) if triton else None
+    if gated is not None:
+        coef, mass = gated  # [J, B, m] each: the logits never stored
+    else:
+        coef, mass = gate(routing_logits(xj, wr, br), act)  # [J, B, m] each
     total = mass.sum(0)  # [B, m]: sum_i c_ij a_i
-    low = choice.dtype if choice is not None and choice.backend == "triton" else None
+    low = choice.dtype if triton else None
     if low is not None and low != x.dtype:
         x, w = x.to(low), w.to(low)  # the votes in 16 bits; the mass stays float32
     u = weighted_pass(x, w, mass, chunk_sites, choice)  # [B, m, a, c]

@@ -30,14 +30,27 @@ from capsctl.layers.algorithm import (
     NetworkPlan,
     RoutingAlgorithm,
 )
+from capsctl.layers.backend.dispatch import run_fused, takes_triton
 from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules, PrimaryCapsules
 
 
 def squash(s: Tensor, dim: int = -1) -> Tensor:
     """``squash(s) = |s|^2 / (1 + |s|^2) * s / |s| = s |s| / (1 + |s|^2)`` (Sabour et al. 2017,
-    eq. 1), exactly; ``torch.linalg.vector_norm`` has gradient 0 at ``s = 0``, so no epsilon."""
+    eq. 1), exactly; ``torch.linalg.vector_norm`` has gradient 0 at ``s = 0``, so no epsilon.
+    Where the Triton kernels run (a GPU), over the last dimension, one kernel forward and one
+    backward (capsctl/layers/backend/triton/squash.py; these torch operators if it fails)."""
+    if dim in (-1, s.dim() - 1) and takes_triton(s):
+        fused = run_fused("squash", _triton_squash, s)
+        if fused is not None:
+            return fused
     norm = torch.linalg.vector_norm(s, dim=dim, keepdim=True)
     return s * (norm / (1.0 + norm * norm))
+
+
+def _triton_squash(s: Tensor) -> Tensor:
+    from capsctl.layers.backend.triton.squash_ops import triton_squash
+
+    return triton_squash(s)
 
 
 @dataclass

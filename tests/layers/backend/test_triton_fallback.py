@@ -112,6 +112,7 @@ def test_a_kernel_module_that_fails_to_import_falls_back(
 ) -> None:
     monkeypatch.setitem(sys.modules, "capsctl.layers.backend.triton.ops", None)
     monkeypatch.setitem(sys.modules, "capsctl.layers.backend.triton.em_ops", None)
+    monkeypatch.setitem(sys.modules, "capsctl.layers.backend.triton.gate_ops", None)
     want = _torch_routed()
     g = torch.Generator().manual_seed(1)
     act = torch.rand(B, J, generator=g)  # self-routing: child activations [B, J]
@@ -130,9 +131,35 @@ def test_a_kernel_module_that_fails_to_import_falls_back(
         torch.testing.assert_close(vote_moments(r, a_em, x, wc, shift), em_want)
     messages = _warnings(caplog)
     assert all("ModuleNotFoundError: import of" in m for m in messages)
-    # self-routing's pass is the weighted pass's kernels under torch's logits
+    # self-routing's pass is its gate's kernels and the weighted pass's
     passes = [m.split(" pass ")[0].split()[-1] for m in messages]
-    assert passes == ["routed", "weighted", "em_moments"]
+    assert passes == ["routed", "gate", "weighted", "em_moments"]
+
+
+@pytest.mark.parametrize("kernel", ["gate_forward", "gate_backward"])
+def test_a_failing_gate_kernel_falls_back_to_torch_code(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kernel: str
+) -> None:
+    from capsctl.layers.backend.triton import gate
+
+    g = torch.Generator().manual_seed(2)
+    act = torch.rand(B, J, generator=g)  # [B, J]
+    wr, br = torch.randn(J, A * X, M, generator=g), torch.randn(J, M, generator=g)
+    x, w, _ = _routed_inputs()
+    ins = (act, x, w, wr, br)
+    with dispatch.use("chunked"):
+        want_ins = [t.clone().requires_grad_() for t in ins]
+        want = gated_pass(*want_ins)
+        want_g = torch.autograd.grad(want[0].sum() + want[1].sum(), want_ins)
+    monkeypatch.setattr(gate, kernel, _Failing(LAUNCH))
+    with caplog.at_level(logging.WARNING), dispatch.use("triton"):
+        got_ins = [t.clone().requires_grad_() for t in ins]
+        got = gated_pass(*got_ins)
+        got_g = torch.autograd.grad(got[0].sum() + got[1].sum(), got_ins)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_g, want_g)
+    (message,) = _warnings(caplog)
+    assert "gate pass" in message and "illegal memory access" in message
 
 
 def test_running_out_of_memory_is_not_a_kernel_failure(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 
 from capsctl.layers.backend import dispatch  # noqa: E402
 from capsctl.layers.backend import triton as triton_backend  # noqa: E402
+from capsctl.layers.backend.triton.gate_ops import triton_gate  # noqa: E402
 from capsctl.layers.backend.triton.ops import (  # noqa: E402
     triton_routed,
     triton_weighted,
@@ -258,6 +259,11 @@ def test_custom_ops_have_fake_implementations_and_autograd() -> None:
     torch.library.opcheck(ops.triton_routed_backward.default, args)
     args = (x.detach(), w.detach(), r.detach(), g, [False, True, True], [0, 0])
     torch.library.opcheck(ops.triton_weighted_backward.default, args)
+    gx, wr, br, act = _leaves(*_gate_inputs(GATES["odd-width"], torch.float32))
+    torch.library.opcheck(ops.triton_gate.default, (gx, wr, br, act))
+    coef, mass = ops.triton_gate(gx, wr, br, act)
+    args = (gx.detach(), wr.detach(), coef, act.detach(), torch.randn_like(mass))
+    torch.library.opcheck(ops.triton_gate_backward.default, (*args, [True, True, False, True]))
 
 
 def test_torch_compile_keeps_the_fused_passes_forward_and_backward() -> None:
@@ -332,9 +338,98 @@ def _gated_loss(out, seed: int = 6):  # type: ignore[no-untyped-def]
 GATED = ["fc-matrix-partial-tiles", "fc-vector-odd-dims", "one-parent", "one-child"]
 
 
+def gate_equations(x, wr, br, act):  # type: ignore[no-untyped-def]
+    """Self-routing's gate: ``c_ij = softmax_j(W^route_i u_i + b^route_ij)`` of child poses
+    ``x[J, B, D]`` and the mass ``c_ij a_i`` (``[J, B, m]`` each)."""
+    logits = torch.einsum("jbd,jdm->jbm", x, wr) + br[:, None]  # [J, B, m]
+    coef = torch.softmax(logits, dim=-1)  # [J, B, m]
+    return coef, coef * act.t()[:, :, None]  # [J, B, m]
+
+
+# (J children, B sites, D = a*x, m parents): sites past a block of 64, one parent, a width
+# below the tile's 16, one child
+GATES = {
+    "partial-site-blocks": (3, 70, 16, 5),
+    "one-parent": (4, 5, 16, 1),
+    "odd-width": (5, 3, 6, 3),
+    "one-child": (1, 66, 4, 10),
+}
+
+
+def _gate_inputs(shape: tuple[int, ...], dtype: torch.dtype = F64, seed: int = 7):
+    j, bsz, d, m = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(j, bsz, d, generator=g, dtype=dtype)
+    wr = torch.randn(j, d, m, generator=g, dtype=dtype) / math.sqrt(d)
+    br = torch.randn(j, m, generator=g, dtype=dtype)
+    act = torch.rand(bsz, j, generator=g, dtype=dtype)
+    return x, wr, br, act
+
+
+@pytest.mark.parametrize("shape", GATES.values(), ids=GATES.keys())
+def test_the_gate_kernels_match_the_equations(shape: tuple[int, ...]) -> None:
+    ins = _leaves(*_gate_inputs(shape))
+    coef, mass = triton_gate(*ins)
+    assert not coef.requires_grad and mass.requires_grad
+    ref_ins = _leaves(*_gate_inputs(shape))
+    coef_want, mass_want = gate_equations(*ref_ins)
+    torch.testing.assert_close((coef, mass), (coef_want, mass_want), rtol=1e-12, atol=1e-13)
+    got = _grads(mass, ins)
+    want = _grads(mass_want, ref_ins)
+    for g_got, g_want in zip(got, want, strict=True):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
+    # float32: the logits' product in tf32x3, float32's accuracy
+    ins32 = _leaves(*_gate_inputs(shape, torch.float32))
+    ref32 = [t.detach().double().requires_grad_() for t in ins32]
+    got32 = triton_gate(*ins32)
+    want32 = gate_equations(*ref32)
+    for g_got, g_want in zip(got32, want32, strict=True):
+        torch.testing.assert_close(g_got, g_want.float(), rtol=1e-5, atol=1e-6)
+    gm = torch.randn(want32[1].shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    got_g = torch.autograd.grad(got32[1], ins32, gm.float())
+    want_g = torch.autograd.grad(want32[1], ref32, gm)
+    for g_got, g_want in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(g_got, g_want.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_gate_passes_gradcheck() -> None:
+    x, wr, br, act = _leaves(*_gate_inputs(GATES["odd-width"]))
+    assert torch.autograd.gradcheck(lambda *t: triton_gate(*t)[1], (x, wr, br, act))
+
+
+def test_the_gate_computes_only_the_needed_gradients() -> None:
+    x, wr, br, act = _gate_inputs(GATES["partial-site-blocks"])
+    for i in range(4):
+        ins = [t.clone().requires_grad_(k == i) for k, t in enumerate((x, wr, br, act))]
+        (got,) = _grads(triton_gate(*ins)[1], (ins[i],))
+        ref = [t.clone().requires_grad_(k == i) for k, t in enumerate((x, wr, br, act))]
+        (want,) = _grads(gate_equations(*ref)[1], (ref[i],))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_self_routing_runs_its_gate_as_kernels_not_torch_operators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from capsctl.layers.backend.triton import aot as gpu_aot
+    from capsctl.layers.passes import gated
+
+    def no_torch_gate(*args: object) -> None:
+        raise AssertionError("the torch gate ran where the Triton kernels run")
+
+    monkeypatch.setattr(gated, "gate", no_torch_gate)
+    monkeypatch.setattr(gated, "routing_logits", no_torch_gate)
+    ins = _leaves(*_gated_inputs(SHAPES["fc-matrix-partial-tiles"], dtype=torch.float32))
+    with gpu_aot.capturing() as launches:
+        u, act_out, _ = gated_pass(*ins)
+        (u.sum() + act_out.sum()).backward()
+    kernels = [launch.kernel for launch in launches]
+    assert kernels[:2] == ["gate_forward", "pass_forward"], kernels
+    assert "gate_backward" in kernels and kernels.count("gate_forward") == 1, kernels
+
+
 @pytest.mark.parametrize("name", GATED)
 def test_gated_pass_matches_the_equations_and_the_torch_pass(name: str) -> None:
-    # under the Triton backend self-routing is torch's logits and the Triton weighted pass
+    # under the Triton backend self-routing is the gate's kernels and the Triton weighted pass
     shape = SHAPES[name]
     ins = _leaves(*_gated_inputs(shape))
     with dispatch.use("triton"):

@@ -87,6 +87,10 @@ __all__ = [
 KERNEL_NAMES = {
     "kernels": ("pass_forward", "pass_backward", "pass_input_grad", "pass_weight_grad"),
     "em": ("em_forward", "em_backward", "em_input_grad", "em_weight_grad"),
+    "gate": ("gate_forward", "gate_backward"),
+    "squash": ("squash_forward", "squash_backward"),
+    "estep": ("estep_forward", "estep_rowdot", "estep_backward"),
+    "mstep": ("m_step_forward", "m_step_backward"),
 }
 # launch options a variant is compiled with (the rest of a launch's keywords are arguments)
 _OPTIONS = ("num_warps", "num_stages")
@@ -239,10 +243,24 @@ def capturing() -> Iterator[list[Launch]]:
     device check and self-test skipped, and the one-time proof of a pass's backward), the
     custom ops run their own code and each kernel launch is appended to the list yielded, not
     run."""
-    from capsctl.layers.backend.triton import em, em_ops, kernels, ops  # noqa: F401
+    from capsctl.layers.backend.triton import (  # noqa: F401
+        em,
+        em_ops,
+        estep,
+        estep_ops,
+        gate,
+        gate_ops,
+        kernels,
+        mstep,
+        mstep_ops,
+        ops,
+        squash,
+        squash_ops,
+    )
 
     launches: list[Launch] = []
-    modules = {"kernels": kernels, "em": em}
+    modules = {"kernels": kernels, "em": em, "gate": gate, "squash": squash, "estep": estep}
+    modules["mstep"] = mstep
     # the launches a GPU gets: not the interpreter's (ops.kernel_meta widens 16-bit products
     # for it)
     items = [(dispatch, "triton_status", lambda device: ""), (ops, "interpreted", lambda: False)]

@@ -148,13 +148,18 @@ def spills(log: str) -> dict[str, int | None]:
 
 
 def _kernel(name: str) -> Any:
-    from capsctl.layers.backend.triton import em, kernels
+    from capsctl.layers.backend.triton import em, estep, gate, kernels, mstep, squash
 
     table = {"pass_forward": kernels.pass_forward, "pass_backward": kernels.pass_backward}
     table |= {"pass_weight_grad": kernels.pass_weight_grad}
     table |= {"pass_input_grad": kernels.pass_input_grad}
     table |= {"em_forward": em.em_forward, "em_backward": em.em_backward}
     table |= {"em_input_grad": em.em_input_grad, "em_weight_grad": em.em_weight_grad}
+    table |= {"gate_forward": gate.gate_forward, "gate_backward": gate.gate_backward}
+    table |= {"squash_forward": squash.squash_forward, "squash_backward": squash.squash_backward}
+    table |= {"estep_forward": estep.estep_forward, "estep_rowdot": estep.estep_rowdot}
+    table |= {"estep_backward": estep.estep_backward}
+    table |= {"m_step_forward": mstep.m_step_forward, "m_step_backward": mstep.m_step_backward}
     return table[name]
 
 

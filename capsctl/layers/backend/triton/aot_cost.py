@@ -26,6 +26,17 @@ per entry; a weighted sum or an agreement 2, a product 1. Per vote entry:
   each (votes, shift, ``dV``, ``dX`` or ``dW``).
 
 The softmax and other per-``(j, b, m)`` terms are ``1/(a c)`` of these and left out.
+
+Self-routing's gate kernels (gate.py) have no votes: per coefficient entry ``(j, b, m)``, with
+``D`` the child pose's size, the forward's logits are ``2D`` and its softmax and mass 5
+(``2D + 5``); the backward's ``d act`` 2, softmax backward 5 and, where it computes ``dX``, ``2D``.
+Dynamic routing's squash (squash.py), per entry of ``s[R, D]``: forward 3 (``|s|^2`` and the
+scaling), backward 6 (``|s|^2``, ``s . G`` and ``f G + k s``). EM's E-step (estep.py), per
+assignment entry of ``R`` rows of ``m``: forward 4 (``z``, the max or the shift, the exponential
+and the sum or the division), ``sum R G`` 2, backward 5 (``R (G - t)``, ``-dz / 2``, ``dc``).
+EM's M-step rest (mstep.py), per parent pose entry ``(b, j, h)``: about 20 forward (moments,
+variance, its logarithm and inverse, costs, ``qp``, ``c``) and 60 backward (that again and
+the gradients); elementwise work, far below the bytes' time.
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ from typing import Any
 __all__ = [
     "BUDGETS",
     "H100",
+    "NO_PRODUCTS",
     "broken_budgets",
     "flop_rate",
     "launch_cost",
+    "launch_dims",
     "modelled_us",
     "op_us",
 ]
@@ -52,6 +65,18 @@ H100 = {
     "fp32_flops": 67e12,
     "launch_us": 5.0,
 }
+#: Kernels without a matrix product, of which the ``mma`` budget asks nothing: the squash's
+#: (a norm and a scaling per capsule), the E-step's (a softmax per child entry) and the M-step's
+#: (elementwise per parent).
+NO_PRODUCTS = (
+    "squash_forward",
+    "squash_backward",
+    "estep_forward",
+    "estep_rowdot",
+    "estep_backward",
+    "m_step_forward",
+    "m_step_backward",
+)
 #: What every variant must keep on sm_90a (:func:`broken_budgets`).
 BUDGETS = {
     "arch": "sm_90a",
@@ -87,26 +112,66 @@ def _per_vote(kernel: str, f: dict[str, Any]) -> int:
     raise ValueError(f"no cost model for kernel {kernel!r}")
 
 
+def launch_dims(launch: Any) -> tuple[str, ...]:
+    """The size arguments of a launch's kernel: ``J, B, M, A, C, XD`` for the vote kernels,
+    ``J, B, M, D`` for self-routing's gate."""
+    if launch.kernel.startswith("gate_"):
+        return ("J", "B", "M", "D")
+    if launch.kernel.startswith("squash_"):
+        return ("R", "D")
+    if launch.kernel in ("estep_forward", "estep_rowdot"):
+        return ("R", "M")
+    if launch.kernel == "estep_backward":
+        return ("J", "M")
+    if launch.kernel.startswith("m_step_"):
+        return ("B", "M", "D")
+    return ("J", "B", "M", "A", "C", "XD")
+
+
+def _flops(kernel: str, f: dict[str, Any], grid: tuple[int, ...]) -> int:
+    """A launch's FLOPs (module docstring)."""
+    if kernel.startswith("squash_"):
+        return (3 if kernel == "squash_forward" else 6) * int(f["R"]) * int(f["D"])
+    if kernel == "estep_forward":
+        return 4 * int(f["R"]) * int(f["M"])
+    if kernel == "estep_rowdot":
+        return 2 * int(f["R"]) * int(f["M"])
+    if kernel == "estep_backward":
+        return 5 * int(grid[0]) * int(f["J"]) * int(f["M"])  # a program per site
+    if kernel.startswith("m_step_"):
+        per = 20 if kernel == "m_step_forward" else 60
+        return per * int(f["B"]) * int(f["M"]) * int(f["D"])
+    j, b, m = int(f["J"]), int(f["B"]), int(f["M"])
+    if kernel.startswith("gate_"):
+        d = int(f["D"])
+        if kernel == "gate_forward":
+            return (2 * d + 5) * j * b * m
+        return (7 + (2 * d if f["NEED_X"] else 0)) * j * b * m
+    votes = j * b * m * int(f["A"]) * int(f["C"])
+    return _per_vote(kernel, f) * votes
+
+
 def launch_cost(launch: Any) -> dict[str, Any]:
     """``{"bytes", "flops", "dtype"}`` of a :class:`~capsctl.layers.backend.triton.aot.Launch`
-    (``dtype``: the element type of its child poses ``x``, or of the weights ``w`` for a kernel
-    that reads no poses, which picks the tensor-core rate)."""
+    (``dtype``: the element type of its child poses ``x``, or of the weights ``w`` (``wr``) for a
+    kernel that reads no poses, which picks the tensor-core rate)."""
     f = _flags(launch)
-    j, b, m, a, c, x = (int(f[k]) for k in ("J", "B", "M", "A", "C", "XD"))
-    per_vote = _per_vote(launch.kernel, f)
     seen: dict[int, int] = {}
     dtype = "float32"
     names = [t[0] for t in launch.tensors]
-    pose = "x_ptr" if "x_ptr" in names else "w_ptr"
+    poses = ("x_ptr", "w_ptr", "wr_ptr", "s_ptr", "q_ptr", "r_ptr")
+    pose = next(n for n in poses if n in names)
     for name, shape, dt, ident in launch.tensors:
         numel = 1
         for n in shape:
             numel *= int(n)
         seen[ident] = numel * _ITEMSIZE[dt]
         dtype = dt if name == pose else dtype
-    votes = j * b * m * a * c
-    flops = per_vote * votes
-    return {"bytes": sum(seen.values()), "flops": flops, "dtype": dtype}
+    return {
+        "bytes": sum(seen.values()),
+        "flops": _flops(launch.kernel, f, launch.grid),
+        "dtype": dtype,
+    }
 
 
 def flop_rate(dtype: str, mma: bool) -> tuple[float, str]:
@@ -132,12 +197,14 @@ def op_us(op: Any) -> float:
     return modelled_us(op.bytes, op.flops, flop_rate(op.dtype, op.product)[0])
 
 
-def broken_budgets(row: dict[str, Any]) -> list[str]:
+def broken_budgets(row: dict[str, Any], kernel: str | None = None) -> list[str]:
     """The :data:`BUDGETS` a compiled variant's row breaks (a variant that did not compile in
     time breaks ``compile_s``; one that failed, ``compiles``; a figure that could not be read
     counts as broken). The compile budget is checked on the compile's CPU seconds
     (``compile_cpu_s``, the worker's and ptxas's) where given, which the load of a shared
-    machine does not inflate as it does the wall seconds (``compile_s``)."""
+    machine does not inflate as it does the wall seconds (``compile_s``). ``mma`` is asked of
+    every kernel with a matrix product (all but the squash's, :data:`NO_PRODUCTS`); the kernel
+    is ``kernel`` or the row's ``kernel``."""
     if row.get("error"):
         return ["compiles"]
     if row.get("timed_out"):
@@ -146,4 +213,6 @@ def broken_budgets(row: dict[str, Any]) -> list[str]:
     figures["acq_rel_atomics"] = row.get("acq_rel_atomics")
     figures["compile_s"] = row.get("compile_cpu_s", row.get("compile_s"))
     out = [k for k, v in figures.items() if v is None or v > BUDGETS[k]]  # None: unknown
+    if (kernel or row.get("kernel")) in NO_PRODUCTS:
+        return out
     return out + (["mma"] if not row.get("mma") else [])

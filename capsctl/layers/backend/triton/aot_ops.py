@@ -11,7 +11,8 @@ pass, such as the sum of its spans, are seen and the kernels are not). Each oper
 - ``flops``: torch's own formulas (``torch.utils.flop_counter``: matrix products and
   convolutions, forward and backward); 0 for every other operator;
 - ``bytes``: every tensor it reads or writes once (inputs and outputs), as a GPU kernel must at
-  least; views and allocations (no data moves) are left out;
+  least; views and allocations (no data moves) are left out, and a fill shaped after another
+  tensor (``new_zeros``, ``zeros_like``, ...) writes its output without reading that tensor;
 - ``product``: a matrix product or convolution (tensor cores on a GPU), and ``dtype``, the
   element type of its first floating-point input.
 
@@ -34,6 +35,8 @@ __all__ = ["OpCost", "recording"]
 
 # operators that allocate without writing: no data moves
 _ALLOCATIONS = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+# fills shaped after another tensor, whose data they do not read: only the output is written
+_FILLS_LIKE = ("new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like")
 # views that ATen does not tag as views (no alias information): no data moves either
 # (``_unsafe_view`` is what ``reshape`` of a fresh result runs, e.g. after a matrix product)
 _UNTAGGED_VIEWS = ("_unsafe_view", "_reshape_alias")
@@ -62,6 +65,8 @@ def _cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost | None:
     if func.namespace != "aten" or func.is_view or name in _ALLOCATIONS + _UNTAGGED_VIEWS:
         return None
     ins, outs = _tensors((args, kwargs)), _tensors(out)
+    if name in _FILLS_LIKE:
+        ins = []  # the input gives the shape and dtype only
     nbytes = sum(t.numel() * t.element_size() for t in ins + outs)
     formula = flop_registry.get(func._overloadpacket)
     flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0

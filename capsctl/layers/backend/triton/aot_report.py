@@ -20,6 +20,7 @@ from capsctl.layers.backend.triton.aot_cost import (
     broken_budgets,
     flop_rate,
     launch_cost,
+    launch_dims,
     modelled_us,
 )
 
@@ -70,12 +71,17 @@ def group_variants(captures: Sequence[tuple[dict[str, Any], Sequence[Any]]]) -> 
 
 def describe(launch: Any) -> dict[str, str]:
     """The capsctl pass and direction a launch belongs to: ``{"pass": routed | weighted |
-    em_moments | em_quad, "direction": forward | backward}``."""
+    em_moments | em_quad | gate | squash | e_step | m_step,
+    "direction": forward | backward}``."""
     family, direction = _KERNELS[launch.kernel]
     flags = dict(launch.constexprs)
     name = {
         "pass": "routed" if flags.get("ROUTED") else "weighted",
         "em": "em_quad" if flags.get("QUAD") else "em_moments",
+        "gate": "gate",
+        "squash": "squash",
+        "estep": "e_step",
+        "mstep": "m_step",
     }[family]
     return {"pass": name, "direction": direction}
 
@@ -91,6 +97,15 @@ _KERNELS = {
     "em_backward": ("em", "backward"),
     "em_input_grad": ("em", "backward"),
     "em_weight_grad": ("em", "backward"),
+    "gate_forward": ("gate", "forward"),
+    "gate_backward": ("gate", "backward"),
+    "squash_forward": ("squash", "forward"),
+    "squash_backward": ("squash", "backward"),
+    "estep_forward": ("estep", "forward"),
+    "estep_rowdot": ("estep", "backward"),
+    "estep_backward": ("estep", "backward"),
+    "m_step_forward": ("mstep", "forward"),
+    "m_step_backward": ("mstep", "backward"),
 }
 
 
@@ -103,7 +118,7 @@ def _shapes(variant: Variant) -> list[dict[str, Any]]:
     """The distinct launch shapes of a variant with their bytes, FLOPs and models."""
     shapes: dict[tuple, dict[str, Any]] = {}
     for ctx, launch in variant.uses:
-        dims = {k: int(launch.value(k)) for k in ("J", "B", "M", "A", "C", "XD")}
+        dims = {k: int(launch.value(k)) for k in launch_dims(launch)}
         key = (*dims.values(), launch.grid)
         if key not in shapes:
             shapes[key] = {**dims, "grid": list(launch.grid), **launch_cost(launch), "models": []}

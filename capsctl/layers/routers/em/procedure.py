@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from capsctl.layers.backend.dispatch import run_fused, takes_triton
 from capsctl.layers.passes.em_moments import vote_moments, vote_quad, vote_shift
 from capsctl.layers.routers.em.windows import WindowGrid, e_step, softmax_over_parents
 
@@ -214,7 +215,14 @@ def em_routing_chunked(
             _m_step, final_lambda=final_lambda, t=t, standardize=standardize_costs
         )
         ins = (s, mass, s_bm, beta_u, beta_a)
-        if torch.is_grad_enabled():  # keep the inputs, recompute the parent-sized rest
+        outs = None
+        if not standardize_costs and takes_triton(s, mass):  # one kernel each way (a GPU)
+            lam = em_inverse_temperature(final_lambda, t)
+            fused = functools.partial(_triton_m_step, lam=lam)
+            outs = run_fused("m_step", fused, s, mass, shift, beta_u, beta_a)
+        if outs is not None:
+            pass
+        elif torch.is_grad_enabled():  # keep the inputs, recompute the parent-sized rest
             outs = checkpoint(step, *ins, use_reentrant=False, preserve_rng_state=False)
         else:
             outs = step(*ins)
@@ -224,6 +232,14 @@ def em_routing_chunked(
         if t + 1 < iterations:
             r = e_step(vote_quad(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
     return mus[-1], acts[-1], rs, mus, acts
+
+
+def _triton_m_step(
+    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, *, lam: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from capsctl.layers.backend.triton.mstep_ops import triton_m_step
+
+    return triton_m_step(s, mass, shift, beta_u, beta_a, lam)
 
 
 def _m_step(

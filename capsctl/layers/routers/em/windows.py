@@ -10,6 +10,7 @@ all entries of the same child; :func:`softmax_over_parents` is the softmax built
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from capsctl.layers.backend.dispatch import run_fused, takes_triton
 from capsctl.layers.baseline_capsules import window_sites
 
 
@@ -145,6 +147,18 @@ class EStep(torch.autograd.Function):
 
 
 def e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
-    """``R[B, J, m]`` over ``quad[B, J, m]`` (consumed) and ``c[B, 1, m]`` (:class:`EStep`)."""
+    """``R[B, J, m]`` over ``quad[B, J, m]`` (consumed) and ``c[B, 1, m]`` (:class:`EStep`).
+    Where the Triton kernels run (a GPU), one or two kernels forward and one or two backward
+    (capsctl/layers/backend/triton/estep.py; :class:`EStep` if they fail)."""
+    if takes_triton(quad, c):
+        fused = run_fused("e_step", functools.partial(_triton_e_step, grid=grid), quad, c)
+        if fused is not None:
+            return fused  # [B, J, m]
     out: Tensor = EStep.apply(quad, c, grid)
     return out
+
+
+def _triton_e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
+    from capsctl.layers.backend.triton.estep_ops import triton_e_step
+
+    return triton_e_step(quad, c, grid)

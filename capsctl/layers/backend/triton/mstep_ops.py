@@ -1,0 +1,122 @@
+"""EM routing's M-step rest (mstep.py) as the ``torch.library`` custom op
+``capsctl::triton_m_step``: capsctl/layers/routers/em/procedure.py's ``_m_step`` without cost
+standardization, in one kernel forward and one backward (the torch code is some twenty
+operators over parent-sized tensors each way, recomputed in the backward pass).
+
+``triton_m_step(s, mass, shift, beta_u, beta_a, lam) -> (mu, act, qp, c)`` with
+``s[2, B, d, m]``, ``mass[B, m, 1]``, ``shift[B, d, m]`` (a constant: no gradient),
+``beta_u[m]``, ``beta_a[m]``; ``mu[B, m, d]`` (a transposed view of a ``[B, d, m]`` tensor),
+``act[B, m]``, ``qp[2, B, d, m]`` and ``c[B, m, 1]``, as ``_m_step`` returns them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from capsctl.layers.backend.triton import mstep
+from capsctl.layers.backend.triton.ops import acc_dtype, on_device
+
+__all__ = ["triton_m_step"]
+
+# parents' pose entries a program holds ([BB, DP, MP] tiles of several tensors at once)
+_ELEMENTS = 1024
+_WARPS = 4
+
+
+def _meta(s: Tensor) -> tuple[dict, tuple[int]]:
+    _, bsz, d, m = s.shape
+    dp, mp = triton.next_power_of_2(d), triton.next_power_of_2(m)
+    bb = max(1, _ELEMENTS // (dp * mp))
+    meta = {"M": m, "D": d, "ACC": acc_dtype(s)[1], "I64": s.numel() >= 2**31}
+    return meta | {"BB": bb, "DP": dp, "MP": mp}, (triton.cdiv(bsz, bb),)
+
+
+def _scalars(lam: float, s: Tensor) -> tuple[float, float, float]:
+    from capsctl.layers.routers.em.procedure import EM_EPS, EM_VAR_EPS
+
+    return float(lam), EM_EPS, EM_VAR_EPS
+
+
+@torch.library.custom_op("capsctl::triton_m_step", mutates_args=())
+def _m_step_op(
+    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    s, mass, shift, beta_u, beta_a = (t.contiguous() for t in (s, mass, shift, beta_u, beta_a))
+    _, bsz, d, m = s.shape
+    mu = torch.empty_like(shift)  # [B, d, m]
+    qp = torch.empty_like(s)  # [2, B, d, m]
+    act, c = s.new_empty(bsz, m), s.new_empty(bsz, m)
+    if s.numel():
+        meta, grid = _meta(s)
+        with on_device(s):
+            mstep.m_step_forward[grid](
+                s, mass, shift, beta_u, beta_a, mu, act, qp, c, bsz, *_scalars(lam, s), **meta,
+                num_warps=_WARPS,
+            )  # fmt: skip
+    return mu, act, qp, c
+
+
+@_m_step_op.register_fake
+def _(s, mass, shift, beta_u, beta_a, lam):  # type: ignore[no-untyped-def]
+    bsz, m = s.shape[1], s.shape[3]
+    return torch.empty_like(shift), s.new_empty(bsz, m), torch.empty_like(s), s.new_empty(bsz, m)
+
+
+@torch.library.custom_op("capsctl::triton_m_step_backward", mutates_args=())
+def _m_step_bwd_op(
+    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float,
+    g_mu: Tensor, g_act: Tensor, g_qp: Tensor, g_c: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    ins = (s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c)
+    s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c = (t.contiguous() for t in ins)
+    _, bsz, d, m = s.shape
+    gs = torch.empty_like(s)  # [2, B, d, m]
+    gmass = s.new_empty(bsz, m)  # [B, m]
+    meta, grid = _meta(s)
+    gb = s.new_zeros(grid[0], 2, m)  # [programs, 2, m]: each program's sums
+    if s.numel():
+        with on_device(s):
+            mstep.m_step_backward[grid](
+                s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c, gs, gmass, gb, bsz,
+                *_scalars(lam, s), **meta, num_warps=_WARPS,
+            )  # fmt: skip
+    return gs, gmass, gb[:, 0].sum(0), gb[:, 1].sum(0)  # ..., [m], [m]
+
+
+@_m_step_bwd_op.register_fake
+def _(s, mass, shift, beta_u, beta_a, lam, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
+    bsz, m = s.shape[1], s.shape[3]
+    return torch.empty_like(s), s.new_empty(bsz, m), s.new_empty(m), s.new_empty(m)
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    s, mass, shift, beta_u, beta_a, lam = inputs
+    ctx.save_for_backward(s, mass, shift, beta_u, beta_a)
+    ctx.lam = lam
+
+
+def _grad(ctx, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
+    s, mass, shift, beta_u, beta_a = ctx.saved_tensors
+    g_mu = torch.zeros_like(shift) if g_mu is None else g_mu
+    g_act = s.new_zeros(s.shape[1], s.shape[3]) if g_act is None else g_act
+    g_qp = torch.zeros_like(s) if g_qp is None else g_qp
+    g_c = s.new_zeros(s.shape[1], s.shape[3]) if g_c is None else g_c
+    gs, gmass, gbu, gba = _m_step_bwd_op(
+        s, mass, shift, beta_u, beta_a, ctx.lam, g_mu, g_act, g_qp, g_c
+    )
+    return gs, gmass.view(mass.shape), None, gbu, gba, None
+
+
+_m_step_op.register_autograd(_grad, setup_context=_setup)
+
+
+def triton_m_step(
+    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_m_step``'s ``(mu[B, m, d], act[B, m], qp[2, B, d, m], c[B, m, 1])`` of the moments
+    ``s[2, B, d, m]``, ``mass[B, m, 1]``, the shift ``shift[B, d, m]`` and ``beta_u[m]``,
+    ``beta_a[m]`` at inverse temperature ``lam``, as the op ``capsctl::triton_m_step``."""
+    mu, act, qp, c = _m_step_op(s, mass.reshape(mass.shape[0], -1), shift, beta_u, beta_a, lam)
+    return mu.transpose(1, 2), act, qp, c.unsqueeze(-1)
