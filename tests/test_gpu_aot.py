@@ -133,8 +133,7 @@ def test_the_cost_model_of_the_squash_worked_out_by_hand() -> None:
 def _e_step_launches() -> list[gpu_aot.Launch]:
     """The launches of EM's E-step on a conv layer, forward and backward: 2 images of 2 types
     on a 4x4 grid, 3x3 windows (8 sites of 18 children), 4 parent types."""
-    from capsctl.layers.backend.triton.estep_ops import triton_e_step
-    from capsctl.layers.routers.em.windows import WindowGrid
+    from capsctl.layers.routers.em.windows import WindowGrid, triton_e_step
 
     grid = WindowGrid.of(torch.zeros(2, 4, 4, 2), 3, 1)
     quad = torch.rand(8, 18, 4, requires_grad=True)  # [B, J, m]
@@ -171,7 +170,9 @@ def _m_step_launches() -> list[gpu_aot.Launch]:
     mass = torch.rand(3, 4, 1, requires_grad=True)
     beta_u, beta_a = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
     with gpu_aot.capturing() as launches:
-        mu, act, qp, c = triton_m_step(s, mass, torch.zeros(3, 16, 4), beta_u, beta_a, 0.5)
+        mu, act, qp, c = triton_m_step(
+            s, mass, torch.zeros(3, 16, 4), beta_u, beta_a, 0.5, 1e-7, 5e-4
+        )
         (mu.sum() + act.sum() + qp.sum() + c.sum()).backward()
     return launches
 

@@ -20,8 +20,12 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 
 from capsctl.layers.backend import dispatch  # noqa: E402
 from capsctl.layers.backend.triton import estep as estep_kernels  # noqa: E402
-from capsctl.layers.backend.triton.estep_ops import triton_e_step  # noqa: E402
-from capsctl.layers.routers.em.windows import EStep, WindowGrid, e_step  # noqa: E402
+from capsctl.layers.routers.em.windows import (  # noqa: E402
+    EStep,
+    WindowGrid,
+    e_step,
+    triton_e_step,
+)
 
 F64 = torch.float64
 

@@ -59,7 +59,7 @@ def _case(shape: tuple[int, ...], dtype: torch.dtype = F64, seed: int = 0):
 def test_the_m_step_kernel_matches_the_papers_equations(name: str) -> None:
     votes, k, moments, mass, shift, beta_u, beta_a = _case(SHAPES[name])
     lam = 0.37
-    mu, act, qp, c = triton_m_step(moments, mass, shift, beta_u, beta_a, lam)
+    mu, act, qp, c = triton_m_step(moments, mass, shift, beta_u, beta_a, lam, EPS, VAR_EPS)
     # the M-step: mu = sum R a V / (sum R a + eps), sigma^2 about mu likewise, plus var_eps
     w = k / (k.sum(1, keepdim=True) + EPS)  # [B, J, m]
     mu_want = torch.einsum("bjm,bjmd->bmd", w, votes)
@@ -82,7 +82,7 @@ def test_the_m_step_kernel_matches_the_papers_equations(name: str) -> None:
 def test_the_m_step_gradients_match_the_torch_code(name: str) -> None:
     _, _, moments, mass, shift, beta_u, beta_a = _case(SHAPES[name])
     ins = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
-    got = triton_m_step(ins[0], ins[1], shift, ins[2], ins[3], 0.37)
+    got = triton_m_step(ins[0], ins[1], shift, ins[2], ins[3], 0.37, EPS, VAR_EPS)
     ref = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
     lam = 0.37 / (1.0 - 0.95)  # _m_step's lambda at t = 0: final_lambda (1 - 0.95)
     want = procedure._m_step(ref[0], ref[1], shift.transpose(1, 2), ref[2], ref[3],
@@ -101,11 +101,11 @@ def test_the_m_step_passes_gradcheck_and_opcheck() -> None:
     ins = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
 
     def step(s, m, bu, ba):  # type: ignore[no-untyped-def]
-        return triton_m_step(s, m, shift, bu, ba, 0.5)
+        return triton_m_step(s, m, shift, bu, ba, 0.5, EPS, VAR_EPS)
 
     assert torch.autograd.gradcheck(step, ins)
     f32 = [t.float() for t in (moments, mass[:, :, 0], shift, beta_u, beta_a)]
-    torch.library.opcheck(torch.ops.capsctl.triton_m_step.default, (*f32, 0.5))
+    torch.library.opcheck(torch.ops.capsctl.triton_m_step.default, (*f32, [0.5, EPS, VAR_EPS]))
 
 
 def test_em_routing_runs_its_m_step_as_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

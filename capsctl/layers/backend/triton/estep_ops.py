@@ -1,15 +1,15 @@
-"""EM routing's E-step (estep.py) as ``torch.library`` custom ops, and :func:`triton_e_step`,
-the autograd function that joins them with the window sums of a conv layer.
+"""EM routing's E-step (estep.py) as ``torch.library`` custom ops: the pieces of
+capsctl/layers/routers/em/windows.py's :class:`~capsctl.layers.routers.em.windows.TritonEStep`,
+which joins them with a conv layer's window sums.
 
-:func:`triton_e_step` computes what capsctl/layers/routers/em/windows.py's :class:`EStep`
-does, ``R[B, J, m]`` from ``quad[B, J, m]`` and ``c[B, 1, m]``, in one kernel (no ``grid``: the
-softmax within each child entry) or two (a conv layer's ``grid``: each entry's max and sum of
-exponentials, combined over every window the child falls in by the grid's sums on ``[B, J]``,
-then ``R``). Its backward is one kernel (two with a grid: each entry's ``sum_m R G`` first).
-:class:`EStep` makes eight passes over the assignment-sized tensors forward and six backward,
-one torch operator each. Unlike :class:`EStep`, ``quad`` is left as it is (the result is a new
-tensor, so that a first call that proves the kernels can run again on the same input).
-Float32 in and out (float64 for float64 inputs, the tests').
+``R[B, J, m]`` from ``quad[B, J, m]`` and ``c[B, m]`` in one kernel (:func:`estep_softmax`:
+the softmax within each child entry) or two (:func:`estep_stats`, each entry's max and sum of
+exponentials, which the caller combines over every window the child falls in on ``[B, J]``,
+then :func:`estep_apply`); the backward in one kernel (:func:`estep_backward`) or two (each
+entry's ``sum_m R G`` first, :func:`estep_rowdot`, summed over windows by the caller). The
+torch E-step makes eight passes over the assignment-sized tensors forward and six backward,
+one operator each. ``quad`` is left as it is (each result is a new tensor). Float32 in and out
+(float64 for float64 inputs, the tests').
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from torch import Tensor
 
 from capsctl.layers.backend.triton import estep
 from capsctl.layers.backend.triton.ops import acc_dtype, on_device
-from capsctl.layers.routers.em.windows import WindowGrid
 
-__all__ = ["triton_e_step"]
+__all__ = ["estep_apply", "estep_backward", "estep_rowdot", "estep_softmax", "estep_stats"]
 
 # entries a row-wise program owns (rows of m parent types), and rows a backward program loads
 # at once
@@ -131,36 +130,28 @@ def _(r: Tensor, g: Tensor, t: Tensor, windows: bool) -> tuple[Tensor, Tensor]:
     )
 
 
-class TritonEStep(torch.autograd.Function):
-    """``quad[B, J, m]``, ``c[B, 1, m]`` -> ``R[B, J, m]``, the softmax of ``c - quad / 2``
-    over every parent each child votes for (``grid``; its site's ``m`` parent types when None).
-    Saves only ``R``."""
-
-    @staticmethod
-    def forward(ctx, quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:  # type: ignore[override]
-        cb = c.reshape(c.shape[0], c.shape[-1])  # [B, m]
-        if grid is None:
-            r = _softmax_op(quad, cb)
-        else:
-            zmax, esum = _stats_op(quad, cb)  # [B, J] each
-            top = grid.max_overwindow_sites(zmax)  # [B, J]: the child's max over its windows
-            total = grid.sum_overwindow_sites(esum * torch.exp(zmax - top))  # [B, J]
-            r = _apply_op(quad, cb, top, total)  # [B, J, m]
-        ctx.save_for_backward(r)
-        ctx.grid = grid
-        return r
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
-        (r,) = ctx.saved_tensors
-        windows = ctx.grid is not None
-        # each entry's sum R G over every window its child falls in [B, J] (not read without)
-        t = ctx.grid.sum_overwindow_sites(_rowdot_op(r, g)) if windows else r.new_empty(0)
-        dq, dc = _backward_op(r, g, t, windows)
-        return dq, dc.unsqueeze(1), None  # [B, J, m], [B, 1, m]
+def estep_softmax(q: Tensor, c: Tensor) -> Tensor:
+    """``R[B, J, m] = softmax_m(c - q / 2)`` within each entry (``c[B, m]``)."""
+    return _softmax_op(q, c)
 
 
-def triton_e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
-    """:class:`TritonEStep`: ``R[B, J, m]`` from ``quad[B, J, m]`` and ``c[B, 1, m]``."""
-    out: Tensor = TritonEStep.apply(quad, c, grid)
-    return out
+def estep_stats(q: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Each entry's ``max_m z`` and ``sum_m exp(z - max)``, ``[B, J]`` each."""
+    return _stats_op(q, c)
+
+
+def estep_apply(q: Tensor, c: Tensor, top: Tensor, total: Tensor) -> Tensor:
+    """``R[B, J, m] = exp(z - top) / total`` (``top``, ``total``: ``[B, J]``)."""
+    return _apply_op(q, c, top, total)
+
+
+def estep_rowdot(r: Tensor, g: Tensor) -> Tensor:
+    """Each entry's ``sum_m R G``, ``[B, J]``."""
+    return _rowdot_op(r, g)
+
+
+def estep_backward(r: Tensor, g: Tensor, t: Tensor, windows: bool) -> tuple[Tensor, Tensor]:
+    """``d quad[B, J, m] = -R (G - t) / 2`` and ``dc[B, m] = sum_J R (G - t)``, with ``t`` each
+    entry's ``sum R G`` (``windows``: read from ``t[B, J]``, summed over windows; else
+    computed in the kernel)."""
+    return _backward_op(r, g, t, windows)

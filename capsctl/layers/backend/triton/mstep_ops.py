@@ -3,7 +3,7 @@
 standardization, in one kernel forward and one backward (the torch code is some twenty
 operators over parent-sized tensors each way, recomputed in the backward pass).
 
-``triton_m_step(s, mass, shift, beta_u, beta_a, lam) -> (mu, act, qp, c)`` with
+``triton_m_step(s, mass, shift, beta_u, beta_a, lam, eps, var_eps) -> (mu, act, qp, c)`` with
 ``s[2, B, d, m]``, ``mass[B, m, 1]``, ``shift[B, d, m]`` (a constant: no gradient),
 ``beta_u[m]``, ``beta_a[m]``; ``mu[B, m, d]`` (a transposed view of a ``[B, d, m]`` tensor),
 ``act[B, m]``, ``qp[2, B, d, m]`` and ``c[B, m, 1]``, as ``_m_step`` returns them.
@@ -33,15 +33,9 @@ def _meta(s: Tensor) -> tuple[dict, tuple[int]]:
     return meta | {"BB": bb, "DP": dp, "MP": mp}, (triton.cdiv(bsz, bb),)
 
 
-def _scalars(lam: float, s: Tensor) -> tuple[float, float, float]:
-    from capsctl.layers.routers.em.procedure import EM_EPS, EM_VAR_EPS
-
-    return float(lam), EM_EPS, EM_VAR_EPS
-
-
 @torch.library.custom_op("capsctl::triton_m_step", mutates_args=())
 def _m_step_op(
-    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float
+    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, consts: list[float]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     s, mass, shift, beta_u, beta_a = (t.contiguous() for t in (s, mass, shift, beta_u, beta_a))
     _, bsz, d, m = s.shape
@@ -52,21 +46,21 @@ def _m_step_op(
         meta, grid = _meta(s)
         with on_device(s):
             mstep.m_step_forward[grid](
-                s, mass, shift, beta_u, beta_a, mu, act, qp, c, bsz, *_scalars(lam, s), **meta,
+                s, mass, shift, beta_u, beta_a, mu, act, qp, c, bsz, *consts, **meta,
                 num_warps=_WARPS,
             )  # fmt: skip
     return mu, act, qp, c
 
 
 @_m_step_op.register_fake
-def _(s, mass, shift, beta_u, beta_a, lam):  # type: ignore[no-untyped-def]
+def _(s, mass, shift, beta_u, beta_a, consts):  # type: ignore[no-untyped-def]
     bsz, m = s.shape[1], s.shape[3]
     return torch.empty_like(shift), s.new_empty(bsz, m), torch.empty_like(s), s.new_empty(bsz, m)
 
 
 @torch.library.custom_op("capsctl::triton_m_step_backward", mutates_args=())
 def _m_step_bwd_op(
-    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float,
+    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, consts: list[float],
     g_mu: Tensor, g_act: Tensor, g_qp: Tensor, g_c: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     ins = (s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c)
@@ -80,21 +74,21 @@ def _m_step_bwd_op(
         with on_device(s):
             mstep.m_step_backward[grid](
                 s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c, gs, gmass, gb, bsz,
-                *_scalars(lam, s), **meta, num_warps=_WARPS,
+                *consts, **meta, num_warps=_WARPS,
             )  # fmt: skip
     return gs, gmass, gb[:, 0].sum(0), gb[:, 1].sum(0)  # ..., [m], [m]
 
 
 @_m_step_bwd_op.register_fake
-def _(s, mass, shift, beta_u, beta_a, lam, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
+def _(s, mass, shift, beta_u, beta_a, consts, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
     bsz, m = s.shape[1], s.shape[3]
     return torch.empty_like(s), s.new_empty(bsz, m), s.new_empty(m), s.new_empty(m)
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    s, mass, shift, beta_u, beta_a, lam = inputs
+    s, mass, shift, beta_u, beta_a, consts = inputs
     ctx.save_for_backward(s, mass, shift, beta_u, beta_a)
-    ctx.lam = lam
+    ctx.consts = consts
 
 
 def _grad(ctx, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
@@ -104,7 +98,7 @@ def _grad(ctx, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
     g_qp = torch.zeros_like(s) if g_qp is None else g_qp
     g_c = s.new_zeros(s.shape[1], s.shape[3]) if g_c is None else g_c
     gs, gmass, gbu, gba = _m_step_bwd_op(
-        s, mass, shift, beta_u, beta_a, ctx.lam, g_mu, g_act, g_qp, g_c
+        s, mass, shift, beta_u, beta_a, ctx.consts, g_mu, g_act, g_qp, g_c
     )
     return gs, gmass.view(mass.shape), None, gbu, gba, None
 
@@ -113,10 +107,19 @@ _m_step_op.register_autograd(_grad, setup_context=_setup)
 
 
 def triton_m_step(
-    s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float
+    s: Tensor,
+    mass: Tensor,
+    shift: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    lam: float,
+    eps: float,
+    var_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_m_step``'s ``(mu[B, m, d], act[B, m], qp[2, B, d, m], c[B, m, 1])`` of the moments
     ``s[2, B, d, m]``, ``mass[B, m, 1]``, the shift ``shift[B, d, m]`` and ``beta_u[m]``,
-    ``beta_a[m]`` at inverse temperature ``lam``, as the op ``capsctl::triton_m_step``."""
-    mu, act, qp, c = _m_step_op(s, mass.reshape(mass.shape[0], -1), shift, beta_u, beta_a, lam)
+    ``beta_a[m]`` at inverse temperature ``lam``, with ``eps`` added to the mass and
+    ``var_eps`` to each variance, as the op ``capsctl::triton_m_step``."""
+    consts = [float(lam), float(eps), float(var_eps)]
+    mu, act, qp, c = _m_step_op(s, mass.reshape(mass.shape[0], -1), shift, beta_u, beta_a, consts)
     return mu.transpose(1, 2), act, qp, c.unsqueeze(-1)

@@ -239,7 +239,7 @@ def _triton_m_step(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from capsctl.layers.backend.triton.mstep_ops import triton_m_step
 
-    return triton_m_step(s, mass, shift, beta_u, beta_a, lam)
+    return triton_m_step(s, mass, shift, beta_u, beta_a, lam, EM_EPS, EM_VAR_EPS)
 
 
 def _m_step(

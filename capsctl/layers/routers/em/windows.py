@@ -151,14 +151,55 @@ def e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
     Where the Triton kernels run (a GPU), one or two kernels forward and one or two backward
     (capsctl/layers/backend/triton/estep.py; :class:`EStep` if they fail)."""
     if takes_triton(quad, c):
-        fused = run_fused("e_step", functools.partial(_triton_e_step, grid=grid), quad, c)
+        fused = run_fused("e_step", functools.partial(triton_e_step, grid=grid), quad, c)
         if fused is not None:
             return fused  # [B, J, m]
     out: Tensor = EStep.apply(quad, c, grid)
     return out
 
 
-def _triton_e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
-    from capsctl.layers.backend.triton.estep_ops import triton_e_step
+class TritonEStep(torch.autograd.Function):
+    """:class:`EStep` as the Triton kernels of capsctl/layers/backend/triton/estep.py (a GPU, or
+    Triton's interpreter): ``quad[B, J, m]``, ``c[B, 1, m]`` -> ``R[B, J, m]``, ``quad`` left as
+    it is. Without a grid one kernel each way; with one, each entry's max and sum of
+    exponentials, combined over every window its child falls in here (``[B, J]``), then ``R``;
+    backward, each entry's ``sum R G`` summed over windows here, then the gradients. Saves
+    only ``R``."""
 
-    return triton_e_step(quad, c, grid)
+    @staticmethod
+    def forward(ctx, quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:  # type: ignore[override]
+        from capsctl.layers.backend.triton import estep_ops
+
+        cb = c.reshape(c.shape[0], c.shape[-1])  # [B, m]
+        if grid is None:
+            r = estep_ops.estep_softmax(quad, cb)  # [B, J, m]
+        else:
+            zmax, esum = estep_ops.estep_stats(quad, cb)  # [B, J] each
+            top = grid.max_overwindow_sites(zmax)  # [B, J]: the child's max over its windows
+            total = grid.sum_overwindow_sites(esum * torch.exp(zmax - top))  # [B, J]
+            r = estep_ops.estep_apply(quad, cb, top, total)  # [B, J, m]
+        ctx.save_for_backward(r)
+        ctx.grid = grid
+        return r
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        from capsctl.layers.backend.triton import estep_ops
+
+        (r,) = ctx.saved_tensors
+        grid = ctx.grid
+        # each entry's sum R G over every window its child falls in [B, J] (not read without)
+        t = (
+            r.new_empty(0)
+            if grid is None
+            else grid.sum_overwindow_sites(estep_ops.estep_rowdot(r, g))
+        )
+        dq, dc = estep_ops.estep_backward(r, g, t, grid is not None)
+        return dq, dc.unsqueeze(1), None  # [B, J, m], [B, 1, m]
+
+
+def triton_e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
+    """``R[B, J, m]`` from ``quad[B, J, m]`` (kept) and ``c[B, 1, m]`` (:class:`TritonEStep`)."""
+    out: Tensor = TritonEStep.apply(quad, c, grid)
+    return out
