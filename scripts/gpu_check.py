@@ -435,10 +435,13 @@ KERNEL_TOLERANCE = 1e-4
 
 
 def interpreted_kernels() -> list[dict[str, Any]]:
-    """Every fused Triton pass (routed, weighted, gated, EM's moments and quadratic form),
-    forward and backward at small shapes, inside ``dispatch.use("triton")`` (the interpreter,
-    on the CPU) and inside ``use("chunked")``: one row each with the backend that ran and the
-    largest difference relative to the torch code's largest value."""
+    """Every fused Triton pass (routed, weighted, gated, EM's moments and quadratic form) and
+    every kernel around them (dynamic routing's squash, EM's E-step on a conv layer's windows,
+    a whole EM routing with its M-step), forward and backward at small shapes, inside
+    ``dispatch.use("triton")`` (the interpreter, on the CPU) and inside ``use("chunked")``: one
+    row each with the backend that ran (``triton`` only where every kernel of the row ran
+    without falling back) and the largest difference relative to the torch code's largest
+    value."""
     print("\nkernels: each fused pass under Triton's interpreter vs the torch code")
     rows = []
     for name, make in _KERNEL_CASES.items():
@@ -447,13 +450,16 @@ def interpreted_kernels() -> list[dict[str, Any]]:
             inputs = make()
             with _tally() as ran, dispatch.use("triton"):
                 fused = _pass_outputs(name, inputs)
+                kernels = dispatch.fused_ran()
             with dispatch.use("chunked"):
                 torch_code = _pass_outputs(name, inputs)
             worst = max(
                 float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
                 for a, b in zip(fused, torch_code, strict=True)
             )
-            row.update(ran=_backend(ran), worst=worst, ok=worst <= KERNEL_TOLERANCE)
+            missing = [k for k in _KERNELS_OF.get(name, ()) if not kernels.get(k)]
+            backend = "-" if missing else _backend(ran) if ran else "triton"
+            row.update(ran=backend, worst=worst, ok=worst <= KERNEL_TOLERANCE and not missing)
         except Exception as e:  # recorded, the next pass goes on
             row.update(error=_error(e), ok=False)
         rows.append(row)
@@ -477,12 +483,28 @@ _KERNEL_CASES: dict[str, Callable[[], list[torch.Tensor]]] = {
     "gated": lambda: _kernel_inputs((3, 5), (5, 3, 4, 4), (5, 4, 3, 4), (5, 16, 3), (5, 3)),
     "em_moments": lambda: _kernel_inputs((3, 5, 3), (3, 5), (5, 3, 4, 4), (5, 4, 12), (3, 16, 3)),
     "em_quad": lambda: _kernel_inputs((2, 3, 16, 3), (5, 3, 4, 4), (5, 4, 12), (3, 16, 3)),
+    # parent poses s[..., d]
+    "squash": lambda: _kernel_inputs((3, 5, 16)),
+    # quad[B, J, m], c[B, 1, m] of a conv layer: 1 image, 2 types on a 4x4 grid, 3x3 windows
+    "e_step": lambda: _kernel_inputs((4, 18, 3), (4, 1, 3)),
+    # a whole EM routing, 3 iterations: xs[B, J, a*x], weights [J, x, m, c], activations
+    "em_routing": lambda: _kernel_inputs((3, 4, 16), (4, 4, 2, 4), (3, 4)),
+}
+# the kernels around the passes (dispatch.run_fused's names) each row must run
+_KERNELS_OF = {
+    "gated": ("gate",),
+    "squash": ("squash",),
+    "e_step": ("e_step",),
+    "em_routing": ("m_step", "e_step"),
 }
 
 
 def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The pass's outputs and the gradients of their sum, on the backend open in the block."""
     from capsctl.layers import gated_pass, routed_pass, vote_moments, vote_quad, weighted_pass
+    from capsctl.layers.routers.dynamic import squash
+    from capsctl.layers.routers.em.procedure import em_routing_chunked
+    from capsctl.layers.routers.em.windows import WindowGrid, e_step
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     if name == "routed":
@@ -496,9 +518,21 @@ def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     elif name == "em_moments":
         r, act, x, wc, shift = leaves
         outs = list(vote_moments(r.softmax(-1), act.sigmoid(), x, wc, shift))
-    else:
+    elif name == "em_quad":
         qp, x, wc, shift = leaves
         outs = [vote_quad(qp, x, wc, shift)]
+    elif name == "squash":
+        outs = [squash(leaves[0])]
+    elif name == "e_step":
+        quad, c = leaves
+        grid = WindowGrid.of(torch.zeros(1, 4, 4, 2), 3, 1)
+        r = e_step(quad.abs() * 1.0, c, grid)  # quad is consumed: a fresh tensor
+        # each child's R sums to 1: weigh them, or their sum's gradient would be 0
+        outs = [r * torch.randn(r.shape, generator=torch.Generator().manual_seed(1))]
+    else:
+        xs, w, act = leaves
+        beta = torch.zeros(2)
+        outs = list(em_routing_chunked(xs, w * 0.3, act.sigmoid(), beta, beta, 3, 1.0, rows=4))[:2]
     grads = torch.autograd.grad(sum(o.sum() for o in outs), leaves, allow_unused=True)
     return [*(o.detach() for o in outs), *(g for g in grads if g is not None)]
 

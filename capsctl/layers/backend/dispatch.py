@@ -73,6 +73,7 @@ TRITON_ENV = "CAPSCTL_TRITON"
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 _RAN: Counter[str] = Counter()  # backends chosen since reset_ran()
+_FUSED_RAN: Counter[str] = Counter()  # run_fused's kernels that ran since reset_ran()
 _TRITON_CHECKED: dict[str, str] = {}  # device -> why its self-test failed ("" passed)
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,9 @@ def run_fused(kernel: str, call: Callable[..., Any], *inputs: Tensor) -> Any | N
         if grads and key not in _FUSED_PROVEN:
             _backward_once(call, inputs)
             _FUSED_PROVEN.add(key)
-        return call(*inputs)
+        out = call(*inputs)
+        _FUSED_RAN[kernel] += 1
+        return out
     except torch.OutOfMemoryError:
         raise  # the torch code needs more memory, not less: no fall back
     except Exception as e:  # noqa: BLE001 - any failure of the kernel: the torch code runs
@@ -323,6 +326,13 @@ def ran() -> dict[str, int]:
     return {k: v for k, v in _RAN.items() if v}
 
 
+def fused_ran() -> dict[str, int]:
+    """How many times each of :func:`run_fused`'s kernels ran (and did not fall back) since
+    :func:`reset_ran`, by its name (``routed``, ``gate``, ``squash``, ``e_step``, ...)."""
+    return {k: v for k, v in _FUSED_RAN.items() if v}
+
+
 def reset_ran() -> None:
-    """Start a new tally for :func:`ran`."""
+    """Start a new tally for :func:`ran` and :func:`fused_ran`."""
     _RAN.clear()
+    _FUSED_RAN.clear()
