@@ -501,10 +501,17 @@ _KERNELS_OF = {
 
 def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The pass's outputs and the gradients of their sum, on the backend open in the block."""
-    from capsctl.layers import gated_pass, routed_pass, vote_moments, vote_quad, weighted_pass
-    from capsctl.layers.routers.dynamic import squash
-    from capsctl.layers.routers.em.procedure import em_routing_chunked
-    from capsctl.layers.routers.em.windows import WindowGrid, e_step
+    from capsctl.layers import (
+        WindowGrid,
+        e_step,
+        em_routing_chunked,
+        gated_pass,
+        routed_pass,
+        squash,
+        vote_moments,
+        vote_quad,
+        weighted_pass,
+    )
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     if name == "routed":

@@ -19,7 +19,9 @@ read-outs a model shares (:class:`PerClassHead`), the channels-last copy of a ba
 :func:`native_status` / :func:`native_summary` (the compiled loops), :mod:`chunks` (chunk sizes
 and threads), :func:`routing_flop_tally` (FLOP counts), and the vote-sized passes on the
 backend dispatch chooses (:func:`routed_pass`, :func:`weighted_pass`, :func:`gated_pass`,
-:func:`vote_moments`, :func:`vote_quad`).
+:func:`vote_moments`, :func:`vote_quad`) and the steps around them that are kernels of their
+own on a GPU (dynamic routing's :func:`squash`, EM's :func:`e_step` over a conv layer's
+:class:`WindowGrid`, a whole :func:`em_routing_chunked`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ from capsctl.layers.passes.routed import routed_pass
 from capsctl.layers.passes.weighted import weighted_pass
 from capsctl.layers.poses import PoseKind, pose_shape
 from capsctl.layers.routers import ROUTERS, get_router, list_routers, make_router
+from capsctl.layers.routers.dynamic import squash
+from capsctl.layers.routers.em.procedure import em_routing_chunked
+from capsctl.layers.routers.em.windows import WindowGrid, e_step
 from capsctl.layers.routers.idpa import PerClassHead
 
 __all__ = [
@@ -69,8 +74,11 @@ __all__ = [
     "PrimaryCapsulesWithActivations",
     "RoutingAlgorithm",
     "RoutingTrace",
+    "WindowGrid",
     "chunks",
     "dispatch",
+    "e_step",
+    "em_routing_chunked",
     "get_router",
     "gated_pass",
     "gpu_aot",
@@ -82,6 +90,7 @@ __all__ = [
     "pose_shape",
     "routed_pass",
     "routing_flop_tally",
+    "squash",
     "vote_moments",
     "vote_quad",
     "weighted_pass",

@@ -131,6 +131,8 @@ ARGTYPES: dict[str, list[type]] = {
     "layer_norm_backward": [_PTR] * 7 + [_I64] * 3,
     "layer_norm_forward_layout": [_PTR] * 6 + [_I64] * 3 + [_F32, _I64, _I64],
     "layer_norm_backward_layout": [_PTR] * 7 + [_I64] * 5,
+    "em_mstep_forward": [_PTR] * 9 + [_I64] * 3 + [_F32] * 3 + [_I64] * 2,
+    "em_mstep_backward": [_PTR] * 12 + [_I64] * 3 + [_F32] * 3 + [_I64] * 2,
 }
 
 

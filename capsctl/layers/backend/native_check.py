@@ -8,10 +8,10 @@ that a truncated file (which would kill the process with SIGBUS when its pages a
 another user's is never loaded.
 
 Before use: the self-test (:func:`self_test`) runs every function of csrc/ (the vote-sized
-passes and the LayerNorm), forward and backward, on small inputs against the same math written
-here as plain torch code (autograd for the gradients). A library that a broken or fake compiler
-built, or one whose loops were miscompiled, fails here and is never used: the torch code runs
-instead.
+passes, the LayerNorm and EM's M-step rest), forward and backward, on small inputs
+against the same math written here as plain torch code (autograd for the gradients). A
+library that a broken or fake compiler built, or one whose loops were miscompiled, fails here
+and is never used: the torch code runs instead.
 The inputs come from a private generator (the global random state is untouched); every output
 buffer starts as NaN, so a loop that writes nothing fails too. Letters and layouts as in
 capsctl/layers/backend/bindings.py. Of capsctl it imports only the leaf capsctl.user_cache
@@ -237,6 +237,46 @@ def _layer_norm(lib: ctypes.CDLL, d: int, g: torch.Generator) -> None:
     _check(f"layer_norm_backward(d={d})", (gx, acc[0], acc[1]), (gx_ref, *gwb))
 
 
+def _em_mstep_reference(s, mass, shift, bu, ba, lam, eps, veps):  # type: ignore[no-untyped-def]
+    """EM's M-step rest (csrc/em_mstep.cpp's comment) over ``s[2, B, d, m]``, ``mass[B, m]``,
+    ``shift[B, d, m]``: ``mu[B, d, m]``, ``act[B, m]``, ``qp[2, B, d, m]``, ``c[B, m]``."""
+    inv = 1.0 / (mass + eps)  # [B, m]
+    m1 = s[0] * inv[:, None]  # [B, d, m]
+    sw = (mass * inv)[:, None]  # [B, 1, m]
+    delta = m1 + shift * (sw - 1.0)
+    var = s[1] * inv[:, None] - 2.0 * delta * m1 + delta * delta * sw + veps
+    lv = torch.log(var)
+    pre = lam * (ba - (bu + 0.5 * lv).sum(1) * mass)  # [B, m]
+    c = (
+        F.logsigmoid(pre)
+        - 0.5 * (delta * delta / var).sum(1)
+        - 0.5 * (lv + 1.8378770664093453).sum(1)
+    )
+    return shift + delta, torch.sigmoid(pre), torch.stack((-2.0 * delta / var, 1.0 / var)), c
+
+
+def _em_mstep(lib: ctypes.CDLL, d: int, m: int, g: torch.Generator) -> None:
+    bsz, consts = 5, (0.3, 1e-7, 5e-4)
+    mass = torch.rand(bsz, m, generator=g) * 3.0 + 0.1
+    s1 = torch.randn(bsz, d, m, generator=g) * mass[:, None] * 0.3
+    s2 = (torch.rand(bsz, d, m, generator=g) + 0.5) * mass[:, None] + s1 * s1 / mass[:, None]
+    s, shift = torch.stack((s1, s2)), torch.randn(bsz, d, m, generator=g) * 0.1
+    bu, ba = torch.randn(m, generator=g), torch.randn(m, generator=g)
+    ins = [t.requires_grad_() for t in (s, mass, bu, ba)]
+    want = _em_mstep_reference(s, mass, shift, bu, ba, *consts)
+    got = (_nan(bsz, d, m), _nan(bsz, m), _nan(2, bsz, d, m), _nan(bsz, m))
+    lib.capsctl_em_mstep_forward(
+        *map(_ptr, (s, mass, shift, bu, ba, *got)), bsz, d, m, *consts, 0, bsz
+    )
+    _check(f"em_mstep_forward(d={d}, m={m})", got, want)
+    ups, grads = _grads(want, ins, g)
+    g_s, g_mass, acc = _nan(2, bsz, d, m), _nan(bsz, m), torch.zeros(2, m, dtype=torch.float64)
+    lib.capsctl_em_mstep_backward(
+        *map(_ptr, (s, mass, shift, bu, ba, *ups, g_s, g_mass, acc)), bsz, d, m, *consts, 0, bsz
+    )
+    _check(f"em_mstep_backward(d={d}, m={m})", (g_s, g_mass, acc[0], acc[1]), grads)
+
+
 def _rows_first(t: Tensor, sites: int) -> Tensor:
     """Standard ``[b*sites, 16]`` -> rows-first ``[b, 4, sites, 4]`` (as passes/rows_first.py)."""
     return t.reshape(-1, sites, 4, 4).permute(0, 2, 1, 3).contiguous()  # [b, a, sites, x]
@@ -285,6 +325,8 @@ def self_test(lib: ctypes.CDLL) -> None:
                 check(lib, shape, g)
         for d in (16, 7):
             _layer_norm(lib, d, g)
+        for d, m in ((16, 32), (16, 10), (3, 5)):
+            _em_mstep(lib, d, m, g)
         for rows_in in (False, True):
             for rows_out in (False, True):
                 _layout_norm(lib, rows_in, rows_out, g)

@@ -20,9 +20,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from capsctl.layers.backend.dispatch import run_fused, takes_triton
+from capsctl.layers.backend import em_mstep
+from capsctl.layers.backend.dispatch import choose, run_fused, takes_triton
 from capsctl.layers.passes.em_moments import vote_moments, vote_quad, vote_shift
 from capsctl.layers.routers.em.windows import WindowGrid, e_step, softmax_over_parents
 
@@ -201,7 +203,6 @@ def em_routing_chunked(
     x = xs.view(bsz, j, rows, xd).permute(1, 0, 2, 3).contiguous()  # [J, B, a, x]
     wc = weight.reshape(j, xd, m, c).transpose(2, 3).reshape(j, xd, c * m)  # [J, x, c*m]
     shift = vote_shift(xs.view(bsz, j, rows, xd), wc, a_in, m)  # [B, d, m]
-    s_bm = shift.transpose(1, 2)  # [B, m, d]
     # the assignments site-, child-, then parent-major (capsctl/layers/passes/em_moments.py)
     r = _first_assignment(xs, bsz, m, j, grid).transpose(1, 2)  # [B, J, m]
     rs: list[Tensor] = []
@@ -211,27 +212,71 @@ def em_routing_chunked(
         rs.append(r.transpose(1, 2))  # [B, m, J]
         # [2, B, d, m] and [B, m, 1]: sum_J R a (V', V'^2) and sum_J R a, R a formed chunk by chunk
         s, mass = vote_moments(r, a_in, x, wc, shift)
-        step = functools.partial(
-            _m_step, final_lambda=final_lambda, t=t, standardize=standardize_costs
+        mu, act, qp, c = _parent_step(
+            s, mass, shift, beta_u, beta_a, final_lambda, t, standardize_costs
         )
-        ins = (s, mass, s_bm, beta_u, beta_a)
-        outs = None
-        if not standardize_costs and takes_triton(s, mass):  # one kernel each way (a GPU)
-            lam = em_inverse_temperature(final_lambda, t)
-            fused = functools.partial(_triton_m_step, lam=lam)
-            outs = run_fused("m_step", fused, s, mass, shift, beta_u, beta_a)
-        if outs is not None:
-            pass
-        elif torch.is_grad_enabled():  # keep the inputs, recompute the parent-sized rest
-            outs = checkpoint(step, *ins, use_reentrant=False, preserve_rng_state=False)
-        else:
-            outs = step(*ins)
-        mu, act, qp, c = outs
         mus.append(mu)
         acts.append(act)
         if t + 1 < iterations:
             r = e_step(vote_quad(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
     return mus[-1], acts[-1], rs, mus, acts
+
+
+def _parent_step(
+    s: Tensor,
+    mass: Tensor,
+    shift: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    final_lambda: float,
+    t: int,
+    standardize: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_m_step` of iteration ``t`` from the moments ``s[2, B, d, m]`` and ``mass[B, m,
+    1]`` about ``shift[B, d, m]``: one Triton kernel each way where they run (a GPU), the
+    compiled loops where capsctl/layers/backend/dispatch.py says ``native``, else torch code
+    whose intermediates are recomputed in the backward pass (a checkpoint). Cost
+    standardization is torch code everywhere."""
+    if not standardize:
+        lam = em_inverse_temperature(final_lambda, t)
+        if takes_triton(s, mass):
+            fused = functools.partial(_triton_m_step, lam=lam)
+            outs = run_fused("m_step", fused, s, mass, shift, beta_u, beta_a)
+            if outs is not None:
+                return outs
+        elif choose(s, mass).backend == "native":
+            mu_t, act, qp, c = _NativeMStep.apply(s, mass, shift, beta_u, beta_a, lam)
+            return mu_t.transpose(1, 2), act, qp, c  # mu [B, m, d]
+    step = functools.partial(_m_step, final_lambda=final_lambda, t=t, standardize=standardize)
+    ins = (s, mass, shift.transpose(1, 2), beta_u, beta_a)  # the shift as [B, m, d]
+    if torch.is_grad_enabled():  # keep the inputs, recompute the parent-sized rest
+        return checkpoint(step, *ins, use_reentrant=False, preserve_rng_state=False)
+    return step(*ins)
+
+
+class _NativeMStep(torch.autograd.Function):
+    """:func:`_m_step` without cost standardization as the compiled loops
+    (capsctl/layers/backend/csrc/em_mstep.cpp): ``(s[2, B, d, m], mass[B, m, 1], shift[B, d, m],
+    beta_u[m], beta_a[m], lambda)`` -> ``mu[B, d, m]`` (the caller transposes it),
+    ``act[B, m]``, ``qp[2, B, d, m]``, ``c[B, m, 1]``; one pass over the parents each way
+    (the backward recomputes the forward's intermediates), saving only the inputs."""
+
+    @staticmethod
+    def forward(ctx, s, mass, shift, beta_u, beta_a, lam):  # type: ignore[no-untyped-def, override]
+        consts = (float(lam), EM_EPS, EM_VAR_EPS)
+        mu, act, qp, c = em_mstep.em_mstep_forward(s, mass[..., 0], shift, beta_u, beta_a, consts)
+        ctx.save_for_backward(s, mass, shift, beta_u, beta_a)
+        ctx.consts = consts
+        return mu, act, qp, c.unsqueeze(-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def, override]
+        s, mass, shift, beta_u, beta_a = ctx.saved_tensors
+        g_s, g_mass, g_bu, g_ba = em_mstep.em_mstep_backward(
+            s, mass[..., 0], shift, beta_u, beta_a, ctx.consts, (g_mu, g_act, g_qp, g_c[..., 0])
+        )
+        return g_s, g_mass.unsqueeze(-1), None, g_bu, g_ba, None
 
 
 def _triton_m_step(
