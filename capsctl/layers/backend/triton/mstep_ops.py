@@ -100,7 +100,7 @@ def _grad(ctx, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
     gs, gmass, gbu, gba = _m_step_bwd_op(
         s, mass, shift, beta_u, beta_a, ctx.consts, g_mu, g_act, g_qp, g_c
     )
-    return gs, gmass.view(mass.shape), None, gbu, gba, None
+    return gs, gmass.view(mass.shape), None, gbu, gba, None  # [2, B, d, m], [B, m], ...
 
 
 _m_step_op.register_autograd(_grad, setup_context=_setup)
@@ -121,5 +121,6 @@ def triton_m_step(
     ``beta_a[m]`` at inverse temperature ``lam``, with ``eps`` added to the mass and
     ``var_eps`` to each variance, as the op ``capsctl::triton_m_step``."""
     consts = [float(lam), float(eps), float(var_eps)]
-    mu, act, qp, c = _m_step_op(s, mass.reshape(mass.shape[0], -1), shift, beta_u, beta_a, consts)
+    mass = mass.reshape(mass.shape[0], -1)  # [B, m, 1] -> [B, m]
+    mu, act, qp, c = _m_step_op(s, mass, shift, beta_u, beta_a, consts)
     return mu.transpose(1, 2), act, qp, c.unsqueeze(-1)
