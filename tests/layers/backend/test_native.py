@@ -331,6 +331,39 @@ def test_threads_give_the_results_of_one_thread(
     assert torch.allclose(gw, want[2], rtol=1e-6, atol=1e-6)  # dW: a sum per thread, then added
 
 
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_backward_passes_of_vectors_over_several_blocks_equal_the_torch_code(
+    threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backward passes of 16-d pose vectors keep the votes' gradients of a block of 64
+    sites (csrc/votes.h, backward_block): 150 sites give each thread blocks that start past its
+    first site and a last block that is not full. Routed, weighted and self-routing passes."""
+    require_native()
+    from capsctl.layers.passes.gated import gated_pass
+
+    shape = (3, 150, 1, 16, 32, 16)
+    x, w, p = _inputs(shape, 41)
+    act, _, _, wr, br = _self_inputs(shape, 41)
+    r = torch.rand(shape[0], shape[1], shape[4], generator=torch.Generator().manual_seed(42))
+
+    def routed(x, w, p):  # noqa: ANN001, ANN202
+        return routed_pass(x, w, p, 0.5)[0]
+
+    def gated(act, x, w, wr, br):  # noqa: ANN001, ANN202
+        u, parent, _ = gated_pass(act, x, w, wr, br)
+        return u + parent[:, :, None, None]  # [B, m, a, c]: both outputs in one loss
+
+    monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", threads)
+    cases = ((routed, (x, w, p)), (weighted_pass, (x, w, r)), (gated, (act, x, w, wr, br)))
+    for fn, inputs in cases:
+        fast = _grads(fn, inputs, 43)
+        with dispatch.use("chunked"):
+            slow = _grads(fn, inputs, 43)
+        for got, want in zip(fast, slow, strict=True):
+            tol = 1e-5 * max(1.0, want.abs().max().item())
+            assert torch.allclose(got, want, rtol=1e-5, atol=tol), (fn, threads)
+
+
 @pytest.mark.parametrize("threads", ["2", "3"])
 def test_threads_give_the_results_of_one_thread_in_self_routing(
     threads: str, monkeypatch: pytest.MonkeyPatch

@@ -77,8 +77,9 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, nb, b0);
-  const Scratch scratch(BT * dm + 2 * m);
-  float* __restrict g = scratch.data() + BT * dm;
+  constexpr int64_t BS = backward_block<A, X>();
+  const Scratch scratch(BS * dm + 2 * m);
+  float* __restrict g = scratch.data() + BS * dm;
   float* __restrict ra = g + m;
   auto start = [](int64_t, int64_t) {};
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* v) {
@@ -113,7 +114,7 @@ void moments_backward(const float* __restrict x, const float* __restrict w,
     vg.pair(j, b, wj, dv);
   };
   auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs<BS>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 template <int A, int X, int C, int M>
@@ -152,8 +153,9 @@ void quad_backward(const float* __restrict x, const float* __restrict w, const f
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
   const int64_t nb = dd.b, nj = dd.j;
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, nb, b0);
-  const Scratch scratch(BT * dm + m);
-  float* __restrict g = scratch.data() + BT * dm;
+  constexpr int64_t BS = backward_block<A, X>();
+  const Scratch scratch(BS * dm + m);
+  float* __restrict g = scratch.data() + BS * dm;
   auto start = [&](int64_t lo, int64_t hi) {
     if (gqp == nullptr) return;
     std::fill(gqp + lo * dm, gqp + hi * dm, 0.f);
@@ -186,7 +188,7 @@ void quad_backward(const float* __restrict x, const float* __restrict w, const f
     vg.pair(j, b, wj, dv);
   };
   auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs<BS>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 }  // namespace

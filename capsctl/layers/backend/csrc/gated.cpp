@@ -63,9 +63,10 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
   float* __restrict gwr = gacc == nullptr ? nullptr : gacc + nj * sh.x() * sh.cm();
   float* __restrict gbr = gwr == nullptr ? nullptr : gwr + nj * ax * m;
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gacc, nb, b0);
-  const Scratch scratch(BT * dm + BT * m + 2 * m);
-  float* __restrict glb = scratch.data() + BT * dm;  // the block's logits' gradients [BT, m]
-  float* __restrict dmass = glb + BT * m;
+  constexpr int64_t BS = backward_block<A, X>();
+  const Scratch scratch(BS * dm + BS * m + 2 * m);
+  float* __restrict glb = scratch.data() + BS * dm;  // the block's logits' gradients [BS, m]
+  float* __restrict dmass = glb + BS * m;
   float* __restrict mass = dmass + m;
   const bool lgrad = gx != nullptr || gacc != nullptr;  // through the logits
   const bool coef = lgrad || gact != nullptr;
@@ -83,7 +84,7 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
         dot += cj[k] * dmass[k] * ab;
       }
       if (gact != nullptr) gact[b * nj + j] = ga;
-      float* __restrict gl = glb + (b - b0) % BT * m;
+      float* __restrict gl = glb + (b - b0) % BS * m;
       for (int64_t k = 0; k < m; ++k) gl[k] = cj[k] * (dmass[k] * ab - dot);
     }
     if (!vg.wanted()) return;
@@ -101,7 +102,7 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
     if (!lgrad) return;
     const float* __restrict wrj = wr + j * ax * m;
     for (int64_t b = lo; b < hi; ++b) {
-      const float* __restrict gl = glb + (b - b0) % BT * m;
+      const float* __restrict gl = glb + (b - b0) % BS * m;
       const float* __restrict xa = x + (j * nb + b) * ax;
       if (gx != nullptr) {
         float* __restrict gxa = gx + (j * nb + b) * ax;
@@ -127,7 +128,7 @@ void gated_backward(const float* __restrict x, const float* __restrict w,
       }
     }
   };
-  for_pairs(x, w, dd, sh, scratch.data(), coef, b0, b1, start, site, done);
+  for_pairs<BS>(x, w, dd, sh, scratch.data(), coef, b0, b1, start, site, done);
 }
 
 }  // namespace

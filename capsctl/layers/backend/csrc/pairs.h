@@ -12,29 +12,31 @@
 namespace {
 
 // The gradients of x and w from the votes' gradients g[a, c, m] of the pairs (j, b) of one
-// block of sites. Per pair (grad_x, grad_w) in general; for 16-d pose vectors, whose weights
+// block of sites (backward_block of them). Per pair (grad_x, grad_w) in general; for 16-d pose vectors, whose weights
 // (16 x c*m floats per child) outgrow the first-level cache, per block: the block's gradients
 // are kept (slot) and both products run once per child over the whole block (block), each
 // weight row read once per block instead of once per site.
 template <int A, int X, int C, int M>
 struct VoteGrads {
   static constexpr bool kBlock = A == 1 && X == 16;
+  // the sites of a block (backward_block): the passes run for_pairs with the same number
+  static constexpr int64_t kSites = backward_block<A, X>();
   const Shape<A, X, C, M>& sh;
   const float* __restrict x;
   const float* __restrict wt;  // the weights transposed, [J, c*m, x] (kBlock with gx only)
   float* __restrict gx;
   float* __restrict gw;
   int64_t nb, b0;
-  Scratch buf;  // the block's votes' gradients [BT, dm] (one slot without kBlock)
+  Scratch buf;  // the block's votes' gradients [kSites, dm] (one slot without kBlock)
 
   VoteGrads(const Shape<A, X, C, M>& s, const float* x_, const float* wt_, float* gx_,
             float* gw_, int64_t nb_, int64_t b0_)
       : sh(s), x(x_), wt(wt_), gx(gx_), gw(gw_), nb(nb_), b0(b0_),
-        buf(kBlock ? BT * s.dm() : s.dm()) {}
+        buf(kBlock ? kSites * s.dm() : s.dm()) {}
 
   bool wanted() const { return gx != nullptr || gw != nullptr; }
   // where the gradient of pair (j, b) goes
-  float* slot(int64_t b) const { return kBlock ? buf.data() + ((b - b0) % BT) * sh.dm() : buf.data(); }
+  float* slot(int64_t b) const { return kBlock ? buf.data() + ((b - b0) % kSites) * sh.dm() : buf.data(); }
 
   void pair(int64_t j, int64_t b, const float* __restrict wj, const float* __restrict g) const {
     if constexpr (!kBlock) {
@@ -58,22 +60,23 @@ struct VoteGrads {
     if constexpr (kBlock) {
       if (!wanted()) return;
       const int64_t cm = sh.cm(), rows = hi - lo;
-      float* __restrict g = buf.data();  // [BT, cm]; rows past hi - lo are zeroed
-      std::fill(g + rows * cm, g + BT * cm, 0.f);
+      float* __restrict g = buf.data();  // [kSites, cm]; rows past hi - lo are zeroed
+      std::fill(g + rows * cm, g + kSites * cm, 0.f);
       const float* __restrict xb = x + (j * nb + lo) * X;  // [rows, 16]
       if (gx != nullptr) {
         const float* __restrict wtj = wt + j * cm * X;  // w_j^T [cm, 16]
-        float acc[BT][X] = {};
-        for (int64_t t = 0; t < cm; ++t) {
-          for (int64_t r = 0; r < BT; ++r) {
-            const float gr = g[r * cm + t];
-#pragma omp simd
-            for (int64_t k = 0; k < X; ++k) acc[r][k] += gr * wtj[t * X + k];
+        for (int64_t r0 = 0; r0 < rows; r0 += BT) {  // BT sites at a time, in registers
+          const float* __restrict gr = g + r0 * cm;
+          v16 acc[BT] = {};
+          for (int64_t t = 0; t < cm; ++t) {
+            const v16 wv = load16(wtj + t * X);
+#pragma GCC unroll 16
+            for (int64_t r = 0; r < BT; ++r) acc[r] += gr[r * cm + t] * wv;
           }
+          float* __restrict gxb = gx + (j * nb + lo + r0) * X;
+          for (int64_t r = 0; r < std::min<int64_t>(BT, rows - r0); ++r)
+            __builtin_memcpy(gxb + r * X, &acc[r], sizeof(v16));
         }
-        float* __restrict gxb = gx + (j * nb + lo) * X;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t k = 0; k < X; ++k) gxb[r * X + k] = acc[r][k];
       }
       if (gw != nullptr) {
         float* __restrict gwj = gw + j * X * cm;

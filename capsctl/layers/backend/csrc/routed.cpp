@@ -49,8 +49,9 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
   const Shape<A, X, C, M> sh(dd);
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
-  const Scratch scratch(BT * dm + 2 * m);
-  float* __restrict dr = scratch.data() + BT * dm;
+  constexpr int64_t BS = backward_block<A, X>();
+  const Scratch scratch(BS * dm + 2 * m);
+  float* __restrict dr = scratch.data() + BS * dm;
   float* __restrict da = dr + m;
   auto start = [&](int64_t lo, int64_t hi) {
     if (gp != nullptr) std::fill(gp + lo * dm, gp + hi * dm, 0.f);
@@ -74,7 +75,7 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
     vg.pair(j, b, wj, gv);
   };
   auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
-  for_pairs(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
+  for_pairs<BS>(x, w, dd, sh, scratch.data(), true, b0, b1, start, site, done);
 }
 
 }  // namespace

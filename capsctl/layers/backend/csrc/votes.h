@@ -31,6 +31,15 @@ template <int A, int X>
 constexpr int64_t forward_block() {
   return A == 1 && X == 16 ? 64 : BT;
 }
+// Sites per block of a backward pass: 64 for 16-d pose vectors too, whose weights, their
+// transpose and their gradient (32 KiB each a child at 32 parent types, 27 MiB for the 288
+// children of a conv layer) were read, and the gradient written, once per 16 sites from beyond
+// the second-level cache (the routed backward pass of J=288, 800 sites on one thread: 208-219 ->
+// 161-164 ms); BT otherwise.
+template <int A, int X>
+constexpr int64_t backward_block() {
+  return A == 1 && X == 16 ? 64 : BT;
+}
 // Columns of the weights per strip of the votes' product: one 512-bit vector of floats.
 constexpr int64_t TC = 16;
 

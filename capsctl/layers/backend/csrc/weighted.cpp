@@ -32,7 +32,8 @@ void weighted_backward(const float* __restrict x, const float* __restrict w,
   const Shape<A, X, C, M> sh(dd);
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm();
-  const Scratch scratch(BT * dm);
+  constexpr int64_t BS = backward_block<A, X>();
+  const Scratch scratch(BS * dm);
   auto start = [](int64_t, int64_t) {};
   auto site = [&](int64_t j, int64_t b, const float* __restrict wj, const float* __restrict v) {
     const float* __restrict rj = r + (j * dd.b + b) * m;
@@ -47,7 +48,7 @@ void weighted_backward(const float* __restrict x, const float* __restrict w,
     vg.pair(j, b, wj, gv);
   };
   auto done = [&](int64_t j, int64_t lo, int64_t hi, const float* wj) { vg.block(j, lo, hi, wj); };
-  for_pairs(x, w, dd, sh, scratch.data(), gr != nullptr, b0, b1, start, site, done);
+  for_pairs<BS>(x, w, dd, sh, scratch.data(), gr != nullptr, b0, b1, start, site, done);
 }
 
 }  // namespace
