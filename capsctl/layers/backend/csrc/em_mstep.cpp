@@ -47,7 +47,8 @@ void capsctl_em_mstep_forward(const float* s, const float* mass, const float* sh
       for (int64_t j = 0; j < m; ++j) {
         const float m1 = s[o + j] * inv[j];
         const float delta = m1 + shift[o + j] * (sw[j] - 1.f);
-        const float var = s[plane + o + j] * inv[j] - 2.f * delta * m1 + delta * delta * sw[j] + var_eps;
+        const float var =
+            s[plane + o + j] * inv[j] - 2.f * delta * m1 + delta * delta * sw[j] + var_eps;
         const float lv = std::log(var), iv = 1.f / var;
         cost[j] += beta_u[j] + 0.5f * lv;
         off[j] += delta * delta * iv;
@@ -87,7 +88,8 @@ void capsctl_em_mstep_backward(const float* s, const float* mass, const float* s
       for (int64_t j = 0; j < m; ++j) {
         const float m1 = s[o + j] * inv[j];
         const float delta = m1 + shift[o + j] * (sw[j] - 1.f);
-        const float var = s[plane + o + j] * inv[j] - 2.f * delta * m1 + delta * delta * sw[j] + var_eps;
+        const float var =
+            s[plane + o + j] * inv[j] - 2.f * delta * m1 + delta * delta * sw[j] + var_eps;
         cost[j] += beta_u[j] + 0.5f * std::log(var);
       }
     }

@@ -12,10 +12,10 @@
 namespace {
 
 // The gradients of x and w from the votes' gradients g[a, c, m] of the pairs (j, b) of one
-// block of sites (backward_block of them). Per pair (grad_x, grad_w) in general; for 16-d pose vectors, whose weights
-// (16 x c*m floats per child) outgrow the first-level cache, per block: the block's gradients
-// are kept (slot) and both products run once per child over the whole block (block), each
-// weight row read once per block instead of once per site.
+// block of sites (backward_block of them). Per pair (grad_x, grad_w) in general; for 16-d pose
+// vectors, whose weights (16 x c*m floats per child) outgrow the first-level cache, per block:
+// the block's gradients are kept (slot) and both products run once per child over the whole
+// block (block), each weight row read once per block instead of once per site.
 template <int A, int X, int C, int M>
 struct VoteGrads {
   static constexpr bool kBlock = A == 1 && X == 16;
@@ -36,7 +36,9 @@ struct VoteGrads {
 
   bool wanted() const { return gx != nullptr || gw != nullptr; }
   // where the gradient of pair (j, b) goes
-  float* slot(int64_t b) const { return kBlock ? buf.data() + ((b - b0) % kSites) * sh.dm() : buf.data(); }
+  float* slot(int64_t b) const {
+    return kBlock ? buf.data() + ((b - b0) % kSites) * sh.dm() : buf.data();
+  }
 
   void pair(int64_t j, int64_t b, const float* __restrict wj, const float* __restrict g) const {
     if constexpr (!kBlock) {
