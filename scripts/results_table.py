@@ -93,14 +93,18 @@ def table(path: Path) -> str:
         ]
     lines += _claims(rows, members, tests[0])
     done = [r for r in rows if r["seeds_run"]]
-    machines = sorted({(r["cpu"], r["cores"], r["torch"]) for r in done}, key=str)
+    machines = _machines(done)
     commits: dict[str, list[str]] = defaultdict(list)
     for r in done:
         for c in str(r["commit"] or "not recorded").split(" + "):
             if r["member"] not in commits[c[:9]]:
                 commits[c[:9]].append(r["member"])
     if machines:
-        where = "; ".join(f"{cpu} ({cores} cores), torch {torch}" for cpu, cores, torch in machines)
+        named = len(machines) > 1  # name the members that ran on each machine
+        where = "; ".join(
+            f"{cpu} ({cores} cores, torch {torch}" + (f": {', '.join(members)})" if named else ")")
+            for (cpu, cores, torch), members in machines.items()
+        )
         which = ", ".join(f"{c} ({', '.join(m)})" for c, m in commits.items())
         firsts = {r["member"]: r for r in reversed(done)}.values()  # one row per member
         spent = sum((r["wall_s"] or 0.0) * r["seeds_run"] for r in firsts)
@@ -113,6 +117,18 @@ def table(path: Path) -> str:
             _shared(list(firsts)),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _machines(rows: list[dict]) -> dict[tuple[str, str, str], list[str]]:
+    """Each machine ``(cpu, cores, torch)`` the rows' runs trained on, with the members that
+    used it; a row's ``cpu`` names its seeds' machines joined by `` + ``."""
+    out: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    for r in rows:
+        for cpu in str(r["cpu"]).split(" + "):
+            key = (cpu, str(r["cores"]), str(r["torch"]))
+            if r["member"] not in out[key]:
+                out[key].append(r["member"])
+    return dict(sorted(out.items()))
 
 
 def _shared(rows: list[dict]) -> str:

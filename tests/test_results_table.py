@@ -3,6 +3,7 @@ capsctl/results/."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,27 @@ def test_table_of_a_results_file(tmp_path: Path) -> None:
     assert not any(line.startswith("†") for line in lines)
     # caps's two runs took 20 s on average, cnn has none: 40 s over 2 runs
     assert ", 40 s of machine time over 2 runs (the sum of their wall times);" in text
+
+
+def test_each_machine_names_the_members_that_ran_on_it(tmp_path: Path) -> None:
+    """A member whose seeds ran on two machines (its ``cpu`` joins them with `` + ``): each
+    machine once, with the members it trained."""
+    runs = _suite_folder(tmp_path)
+    path = tmp_path / "s-cpu.csv"
+    write_results(report_suite(load_suite(runs / "suite.yaml"), runs, score=False), path)
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    caps = next(r for r in rows if r["member"] == "caps")
+    cpu = caps["cpu"]
+    caps["cpu"] = f"{cpu} + Other CPU"
+    with path.open("w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=list(rows[0]))
+        out.writeheader()
+        out.writerows(rows)
+    text = _script().table(path)
+    line = next(line for line in text.splitlines() if line.startswith("Trained on"))
+    assert "Trained on Other CPU (4 cores, torch None: caps); " in line, line
+    assert f"; {cpu} (4 cores, torch None: caps), " in line and line.count(cpu) == 1, line
 
 
 def test_a_matched_member_is_marked(tmp_path: Path) -> None:
