@@ -142,13 +142,18 @@ def test_gradients_equal_those_of_the_torch_code(shape: tuple[int, ...]) -> None
         return routed_pass(x, w, p, 0.5)[0]
 
     for fn, inputs in ((routed, (x, w, p)), (weighted_pass, (x, w, r))):
-        fast = _grads(fn, inputs, 5)
-        with dispatch.use("chunked"):
-            slow = _grads(fn, inputs, 5)
-        for got, want in zip(fast, slow, strict=True):
-            # float32 rounding grows with a gradient's scale (w's sums over sites reach 20)
-            tol = 1e-5 * max(1.0, want.abs().max().item())
-            assert torch.allclose(got, want, rtol=1e-5, atol=tol), (fn, shape)
+        _assert_grads_of_the_torch_code(fn, inputs, 5, shape)
+
+
+def _assert_grads_of_the_torch_code(fn, inputs, seed, label) -> None:  # noqa: ANN001
+    """``fn``'s outputs and gradients on the default backend equal the chunked torch code's."""
+    fast = _grads(fn, inputs, seed)
+    with dispatch.use("chunked"):
+        slow = _grads(fn, inputs, seed)
+    for got, want in zip(fast, slow, strict=True):
+        # float32 rounding grows with a gradient's scale (w's sums over sites reach 20)
+        tol = 1e-5 * max(1.0, want.abs().max().item())
+        assert torch.allclose(got, want, rtol=1e-5, atol=tol), (fn, label)
 
 
 def _loop_em(x, wc, shift, r, act, qp):  # noqa: ANN001, ANN202
@@ -356,12 +361,7 @@ def test_backward_passes_of_vectors_over_several_blocks_equal_the_torch_code(
     monkeypatch.setenv("CAPSCTL_ROUTING_THREADS", threads)
     cases = ((routed, (x, w, p)), (weighted_pass, (x, w, r)), (gated, (act, x, w, wr, br)))
     for fn, inputs in cases:
-        fast = _grads(fn, inputs, 43)
-        with dispatch.use("chunked"):
-            slow = _grads(fn, inputs, 43)
-        for got, want in zip(fast, slow, strict=True):
-            tol = 1e-5 * max(1.0, want.abs().max().item())
-            assert torch.allclose(got, want, rtol=1e-5, atol=tol), (fn, threads)
+        _assert_grads_of_the_torch_code(fn, inputs, 43, threads)
 
 
 @pytest.mark.parametrize("threads", ["2", "3"])

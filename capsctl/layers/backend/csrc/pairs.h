@@ -21,6 +21,7 @@ struct VoteGrads {
   static constexpr bool kBlock = A == 1 && X == 16;
   // the sites of a block (backward_block): the passes run for_pairs with the same number
   static constexpr int64_t kSites = backward_block<A, X>();
+  static_assert(kSites % BT == 0, "block() takes a block's dX BT sites at a time");
   const Shape<A, X, C, M>& sh;
   const float* __restrict x;
   const float* __restrict wt;  // the weights transposed, [J, c*m, x] (kBlock with gx only)
