@@ -174,6 +174,35 @@ def _multimnist_caps() -> ModelConfig:
     )
 
 
+@register(
+    "multimnist-caps-full",
+    "DiverseMultiMNIST capsule net at the authors' full width: simple backbone of 1,024 "
+    "channels, primary 16x64 k3s2, conv 16x64 k3s1, fc 10x64, class capsules",
+)
+def _multimnist_caps_full() -> ModelConfig:
+    """The authors' DiverseMultiMNIST configuration (``resnet_backbone_diversemultimnist.py`` of
+    the code published with Tsai et al., ICLR 2020): a k3 s2 convolution to 1,024 channels
+    (18x18), primary capsules from a k3 s2 convolution (8x8 grid, 16 types of 8x8 poses), a conv
+    capsule layer (k3 s1, 6x6) and an FC capsule layer of 10 types before the 10 class
+    capsules, every pose 8x8."""
+    return ModelConfig(
+        arch="capsnet",
+        num_classes=10,
+        in_channels=1,
+        input_size=36,
+        backbone="simple",
+        backbone_width=1024,
+        primary_types=16,
+        primary_dim=64,
+        primary_kernel=3,
+        primary_stride=2,
+        layers=[
+            CapsLayerSpec(kind="conv", types=16, pose_dim=64, kernel=3, stride=1),
+            CapsLayerSpec(kind="fc", types=10, pose_dim=64),
+        ],
+    )
+
+
 @register("multimnist-cnn", "CNN with the layers and widths of multimnist-caps")
 def _multimnist_cnn() -> ModelConfig:
     return _multimnist_caps().replace(arch="cnn")

@@ -168,6 +168,13 @@ def test_defaults_are_the_cifar_recipe() -> None:
         ("model.num_classes=0", "model.num_classes: must be >= 1"),
         ("model.layers=[{}, {stride: 0}]", "model.layers[1].stride: must be >= 1"),
         ("model.class_pose_dim=0", "model.class_pose_dim: must be >= 1"),
+        ("model.primary_kernel=0", "model.primary_kernel: must be >= 1"),
+        ("model.primary_stride=65", "model.primary_stride: must be <= 64"),
+        (
+            "model.backbone_width=256",
+            "model.backbone_width: only the simple backbone has a width; use null",
+        ),
+        ("model={base: mnist-caps, backbone_width: 0}", "model.backbone_width: must be >= 1"),
         ("data.val_size=-5", "data.val_size: must be >= 0"),
         ("data.dataset=' '", "data.dataset: must not be empty"),
         ("data.augment.crop_padding=-1", "data.augment.crop_padding: must be >= 0"),

@@ -700,3 +700,16 @@ def test_cli_hf_export_into_a_taken_folder_needs_overwrite(
     main([*args, "--json"])
     main([*args, "--overwrite", "--json"])  # an earlier model folder: replaced
     assert (taken / "config.json").is_file()
+
+
+def test_model_card_names_the_backbone_width_and_the_primary_convolution() -> None:
+    from capsctl.export.card import model_card
+
+    full = resolve_config("multimnist-caps-full").to_dict()
+    card = model_card({"preset": {"model": full}}, name="m", params={"total": 1}, gflops=None)
+    assert "| backbone | simple, 1024 channels |" in card
+    assert "| primary capsules | 16 types, pose dim 64, 3x3 conv of stride 2 |" in card
+    plain = resolve_config("multimnist-caps").to_dict()
+    card = model_card({"preset": {"model": plain}}, name="m", params={"total": 1}, gflops=None)
+    assert "| backbone | simple |" in card
+    assert "| primary capsules | 16 types, pose dim 16 |" in card

@@ -12,8 +12,10 @@ import capsctl
 from capsctl.checkpoint import load_checkpoint, model_tensors, save_checkpoint
 from capsctl.config import resolve_config
 from capsctl.errors import ConfigError
+from capsctl.layers import ROUTERS
 from capsctl.layers.backend import dispatch, native
 from capsctl.models import parameter_counts
+from capsctl.models.capsnet import architecture_summary
 from capsctl.registry import get_config, list_models
 
 EXPECTED_PARAMS = {
@@ -161,6 +163,80 @@ def test_no_nan_with_large_inputs() -> None:
     with torch.no_grad():
         out = model(torch.randn(2, 3, 32, 32) * 1e3)
     assert torch.isfinite(out).all()
+
+
+def test_full_width_multimnist_net_is_the_authors_configuration() -> None:
+    """``multimnist-caps-full``: the authors' DiverseMultiMNIST config, counted by hand. Conv
+    k3 s2 1 -> 1,024 channels with bias (36 -> 18), primary conv k3 s2 1,024 -> 16 * 64 without
+    bias (18 -> 8) and LayerNorm(64), conv capsules k3 s1 (8 -> 6: 3 * 3 * 16 children, 8x8
+    weights, 16 parent types), FC capsules 6 * 6 * 16 -> 10, class capsules 10 -> 10, each with
+    LayerNorm(64), and the shared Linear(64, 1) head."""
+    model = capsctl.build_model("multimnist-caps-full")
+    by_hand = (
+        (1 * 9 * 1024 + 1024)  # backbone
+        + (1024 * 9 * 16 * 64 + 2 * 64)  # primary capsules
+        + (9 * 16 * 8 * 16 * 8 + 2 * 64)  # conv capsule layer
+        + (6 * 6 * 16 * 8 * 10 * 8 + 2 * 64)  # fc capsule layer
+        + (10 * 8 * 10 * 8 + 2 * 64)  # class capsules
+        + (64 + 1)  # head
+    )
+    assert parameter_counts(model) == {
+        "total": by_hand,
+        "backbone": 1 * 9 * 1024 + 1024,
+        "capsules": by_hand - (1 * 9 * 1024 + 1024),
+    }
+    with torch.no_grad():
+        feats = model.backbone(torch.randn(2, 1, 36, 36))
+        assert feats.shape == (2, 1024, 18, 18)
+        assert model.primary(feats).poses.shape == (2, 8, 8, 16, 64)  # [b, h, w, n, D]
+
+
+@pytest.mark.parametrize("arch,router", [("capsnet", r) for r in ROUTERS] + [("cnn", "idpa")])
+def test_primary_capsules_take_their_kernel_and_stride(arch: str, router: str) -> None:
+    """Every router's primary capsules (and the CNN's primary conv) are a k3 s2 convolution of
+    the backbone's width when asked: 28 -> 14 (backbone) -> 6 (primary) -> 2 (conv layer)."""
+    torch.manual_seed(0)
+    cfg = resolve_config(
+        {
+            "base": "mnist-caps",
+            "arch": arch,
+            "router": {"name": router},
+            "backbone_width": 24,
+            "primary_types": 4,
+            "primary_kernel": 3,
+            "primary_stride": 2,
+            "layers": [{"kind": "conv", "types": 4, "pose_dim": 16, "kernel": 3, "stride": 2}],
+        }
+    )
+    model = capsctl.build_model(cfg).train()
+    x = torch.randn(2, 1, 28, 28)
+    feats = model.backbone(x)
+    assert feats.shape == (2, 24, 14, 14)
+    if arch == "cnn":
+        conv = model.primary[0]
+        assert (conv.in_channels, conv.kernel_size, conv.stride) == (24, (3, 3), (2, 2))
+        assert model.primary(feats).shape == (2, 4 * 16, 6, 6)
+    else:
+        assert model.primary(feats).poses.shape == (2, 6, 6, 4, 16)  # [b, h, w, n, D]
+    out = model(x)
+    assert out.shape == (2, 10)
+    out.float().square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_primary_kernel_larger_than_the_grid_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="model.primary_kernel: a 14x14 feature grid is too"):
+        capsctl.build_model({"base": "mnist-caps", "primary_kernel": 15})
+
+
+def test_architecture_summary_names_the_width_and_the_primary_convolution() -> None:
+    text = architecture_summary(get_config("multimnist-caps-full"))
+    assert text.startswith(
+        "simple backbone of 1024 channels, primary 16x64 k3s2 -> 8x8, conv 16x64 k3s1 -> 6x6"
+    )
+    assert architecture_summary(get_config("multimnist-caps")).startswith(
+        "simple backbone, primary 16x16, conv"
+    )
 
 
 def test_cnn_baseline_widths_follow_the_capsule_head() -> None:

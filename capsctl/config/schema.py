@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from capsctl.data.catalog import NORMALIZATION, dataset_info
 from capsctl.errors import CapsctlError, ConfigError
-from capsctl.models.spec import CapsLayerSpec, ModelConfig
+from capsctl.models.spec import WIDTH_BACKBONES, CapsLayerSpec, ModelConfig
 from capsctl.numbers import MAX_BATCH, MAX_EPOCHS, MAX_ITERATIONS, MAX_LR, MAX_SECONDS
 
 __all__ = [
@@ -56,6 +56,9 @@ LIMITS: dict[str, int] = {
     "crop_padding": 1024,
     "primary_types": 4096,
     "primary_dim": 1024,
+    "primary_kernel": 64,
+    "primary_stride": 64,
+    "backbone_width": 16384,
     "types": 4096,
     "pose_dim": 1024,
     "class_pose_dim": 1024,
@@ -331,10 +334,21 @@ def validate_layer(spec: CapsLayerSpec, path: str) -> None:
 
 def validate_model(cfg: ModelConfig, path: str) -> None:
     """Range checks of a model configuration (its layers are checked by :func:`validate_layer`)."""
-    for name in ("num_classes", "in_channels", "input_size", "primary_types", "primary_dim"):
+    sizes = ("num_classes", "in_channels", "input_size", "primary_types", "primary_dim")
+    for name in (*sizes, "primary_kernel", "primary_stride"):
         value = getattr(cfg, name)
         check(value >= 1, join_path(path, name), f"must be >= 1, got {value}")
         check_limit(value, path, name)
+    if cfg.backbone_width is not None:
+        check(
+            cfg.backbone in WIDTH_BACKBONES,
+            join_path(path, "backbone_width"),
+            f"only the {', '.join(WIDTH_BACKBONES)} backbone has a width; use null with "
+            f"backbone {cfg.backbone!r}",
+        )
+        value = cfg.backbone_width
+        check(value >= 1, join_path(path, "backbone_width"), f"must be >= 1, got {value}")
+        check_limit(value, path, "backbone_width")
     check_limit(len(cfg.layers), path, "layers")
     check(0 <= cfg.dropout < 1, join_path(path, "dropout"), f"must be in [0, 1), got {cfg.dropout}")
     if cfg.class_pose_dim is None:

@@ -190,10 +190,14 @@ def _model_table(
     architecture = f"`{arch}`" if registered == arch else f"`{registered}` (arch `{arch}`)"
     lines = ["## Model", "", "| | |", "|---|---|", f"| architecture | {architecture} |"]
     if arch != "resnet18":
+        width = raw_model.get("backbone_width")
+        k, stride = raw_model.get("primary_kernel", 1), raw_model.get("primary_stride", 1)
+        conv = f", {k}x{k} conv of stride {stride}" if (k, stride) != (1, 1) else ""
         lines += [
-            f"| backbone | {raw_model.get('backbone')} |",
+            f"| backbone | {raw_model.get('backbone')}"
+            f"{f', {width} channels' if width is not None else ''} |",
             f"| primary capsules | {raw_model.get('primary_types')} types, pose dim "
-            f"{raw_model.get('primary_dim')} |",
+            f"{raw_model.get('primary_dim')}{conv} |",
             f"| capsule layers | {_layers_text(raw_model)} |",
         ]
     algo = _router(raw_model)

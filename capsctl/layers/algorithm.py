@@ -102,12 +102,15 @@ class LayerPlan:
 @dataclass(frozen=True)
 class NetworkPlan:
     """What the algorithm builds from: the backbone's channels, the primary capsules'
-    ``types`` and ``dim``, the model config's generic capsule knobs and the class count."""
+    ``types``, ``dim`` and convolution (``primary_kernel``, ``primary_stride``), the model
+    config's generic capsule knobs and the class count."""
 
     channels: int
     primary_types: int
     primary_dim: int
     num_classes: int
+    primary_kernel: int = 1
+    primary_stride: int = 1
     dropout: float = 0.0
     layer_norm: bool = True
     agreement_scale: bool = True

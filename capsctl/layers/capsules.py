@@ -33,12 +33,22 @@ from capsctl.layers.poses import PoseKind, pose_shape
 
 
 class PrimaryCapsules(nn.Module):
-    """1x1 convolution to ``types * dim`` channels, read channel-last as capsules, LayerNorm."""
+    """Convolution (``kernel`` x ``kernel``, ``stride``, no padding; 1x1 by default) to ``types *
+    dim`` channels, read channel-last as capsules, LayerNorm."""
 
-    def __init__(self, in_channels: int, types: int, dim: int, *, layer_norm: bool = True) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        types: int,
+        dim: int,
+        *,
+        layer_norm: bool = True,
+        kernel: int = 1,
+        stride: int = 1,
+    ) -> None:
         super().__init__()
         self.types, self.dim = types, dim
-        self.conv = nn.Conv2d(in_channels, types * dim, kernel_size=1, bias=False)
+        self.conv = nn.Conv2d(in_channels, types * dim, kernel, stride=stride, bias=False)
         self.norm: nn.Module = nn.LayerNorm(dim) if layer_norm else nn.Identity()
 
     def forward(self, feats: Tensor) -> Tensor:
@@ -48,8 +58,8 @@ class PrimaryCapsules(nn.Module):
 
     def _poses(self, feats: Tensor) -> Tensor:
         """The convolution's output as poses ``[b, h, w, n, d]`` (before the LayerNorm)."""
-        b, _, h, w = feats.shape
         y = self.conv(to_channels_last(feats))  # [b, n*d, h, w]
+        b, _, h, w = y.shape
         return y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
 
     def rows_first(self, feats: Tensor, rows: int) -> Tensor:
@@ -60,21 +70,30 @@ class PrimaryCapsules(nn.Module):
 
 
 class PrimaryCapsulesWithActivations(PrimaryCapsules):
-    """Poses from a 1x1 convolution (no LayerNorm) and one activation per capsule from a 1x1
-    convolution with bias and a sigmoid (EM routing, self-routing); ``batch_norm=True`` adds
-    BatchNorm on the pose channels and on the activation logits, as SR-CapsNet's published
-    code does (``bn_pose``, ``bn_a``). Returns poses ``[b, h, w, n, d]``, activations
-    ``[b, h, w, n]``."""
+    """Poses from a convolution (no LayerNorm) and one activation per capsule from a
+    convolution of the same kernel and stride, with bias and a sigmoid (EM routing,
+    self-routing); ``batch_norm=True`` adds BatchNorm on the pose channels and on the
+    activation logits, as SR-CapsNet's published code does (``bn_pose``, ``bn_a``). Returns
+    poses ``[b, h, w, n, d]``, activations ``[b, h, w, n]``."""
 
-    def __init__(self, in_channels: int, types: int, dim: int, *, batch_norm: bool = False) -> None:
-        super().__init__(in_channels, types, dim, layer_norm=False)
-        self.act = nn.Conv2d(in_channels, types, kernel_size=1)
+    def __init__(
+        self,
+        in_channels: int,
+        types: int,
+        dim: int,
+        *,
+        batch_norm: bool = False,
+        kernel: int = 1,
+        stride: int = 1,
+    ) -> None:
+        super().__init__(in_channels, types, dim, layer_norm=False, kernel=kernel, stride=stride)
+        self.act = nn.Conv2d(in_channels, types, kernel, stride=stride)
         self.pose_bn: nn.Module = nn.BatchNorm2d(types * dim) if batch_norm else nn.Identity()
         self.act_bn: nn.Module = nn.BatchNorm2d(types) if batch_norm else nn.Identity()
 
     def _poses(self, feats: Tensor) -> Tensor:
-        b, _, h, w = feats.shape
         y = self.pose_bn(self.conv(to_channels_last(feats)))  # [b, n*d, h, w]
+        b, _, h, w = y.shape
         return y.permute(0, 2, 3, 1).reshape(b, h, w, self.types, self.dim)  # [b, h, w, n, d]
 
     def forward(self, feats: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]

@@ -7,9 +7,12 @@ from __future__ import annotations
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
+from capsctl.models.spec import WIDTH_BACKBONES
+
 
 def simple_backbone(in_channels: int, width: int = 128) -> nn.Sequential:
-    """Conv(in -> 128, k3, s2, p1) + ReLU: halves the grid."""
+    """Conv(in -> width, k3, s2, p1) + ReLU: halves the grid. The authors' configs use 128
+    channels for CIFAR and 1,024 for DiverseMultiMNIST."""
     return nn.Sequential(
         nn.Conv2d(in_channels, width, 3, stride=2, padding=1), nn.ReLU(inplace=True)
     )
@@ -74,9 +77,17 @@ def fast_backbone(in_channels: int) -> nn.Sequential:
 BACKBONE_CHANNELS = {"simple": 128, "resnet": 128, "fast": FAST_WIDTHS[-1]}
 
 
-def build_backbone(kind: str, in_channels: int) -> nn.Sequential:
+def backbone_channels(kind: str, width: int | None = None) -> int:
+    """Channels out of backbone ``kind``: ``width`` where it has one, else its default."""
+    return BACKBONE_CHANNELS[kind] if width is None else width
+
+
+def build_backbone(kind: str, in_channels: int, width: int | None = None) -> nn.Sequential:
+    """Backbone ``kind``; ``width`` (channels out) only for :data:`WIDTH_BACKBONES`."""
+    if width is not None and kind not in WIDTH_BACKBONES:
+        raise ValueError(f"backbone {kind!r} has no width setting")
     if kind == "simple":
-        return simple_backbone(in_channels)
+        return simple_backbone(in_channels, backbone_channels(kind, width))
     if kind == "resnet":
         return resnet_backbone(in_channels)
     if kind == "fast":

@@ -6,7 +6,7 @@ from torch import Tensor, nn
 from torchvision.models import resnet18
 
 from capsctl.devices import in_float32
-from capsctl.models.backbones import BACKBONE_CHANNELS, build_backbone
+from capsctl.models.backbones import backbone_channels, build_backbone
 from capsctl.models.capsnet import plan_layers
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
@@ -25,20 +25,23 @@ def cifar_resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Module:
 class CNNBaseline(nn.Module):
     """The capsule network's layers with convolutions in place of routing.
 
-    Same backbone; a 1x1 conv as wide as the primary capsules (``types * D`` channels); one conv
-    (same kernel and stride) per conv capsule layer and one linear layer per FC capsule layer, each
-    as wide as the capsule layer it replaces (``types * D`` units per position); class layer with
-    ``classes * D`` units and the same shared ``Linear(D, 1)`` head. BatchNorm + ReLU between
-    layers. This is the paper's "same number of layers and neurons" comparison.
+    Same backbone; a conv as wide as the primary capsules (``types * D`` channels, their kernel
+    and stride); one conv (same kernel and stride) per conv capsule layer and one linear layer
+    per FC capsule layer, each as wide as the capsule layer it replaces (``types * D`` units per
+    position); class layer with ``classes * D`` units and the same shared ``Linear(D, 1)`` head.
+    BatchNorm + ReLU between layers. This is the paper's "same number of layers and neurons"
+    comparison.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.backbone = build_backbone(cfg.backbone, cfg.in_channels)
+        self.backbone = build_backbone(cfg.backbone, cfg.in_channels, cfg.backbone_width)
         width = cfg.primary_types * cfg.primary_dim
+        channels = backbone_channels(cfg.backbone, cfg.backbone_width)
+        k, stride = cfg.primary_kernel, cfg.primary_stride
         self.primary = nn.Sequential(
-            nn.Conv2d(BACKBONE_CHANNELS[cfg.backbone], width, 1, bias=False),
+            nn.Conv2d(channels, width, k, stride=stride, bias=False),
             nn.BatchNorm2d(width),
             nn.ReLU(inplace=True),
         )

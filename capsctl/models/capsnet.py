@@ -19,7 +19,7 @@ from capsctl.layers import (
     images_channels_last,
     pose_shape,
 )
-from capsctl.models.backbones import BACKBONE_CHANNELS, backbone_grid, build_backbone
+from capsctl.models.backbones import backbone_channels, backbone_grid, build_backbone
 from capsctl.models.spec import CapsLayerSpec, ModelConfig
 
 
@@ -48,16 +48,29 @@ def _check_matrix_pose(where: str, spec: CapsLayerSpec, dim: int) -> None:
         )
 
 
-def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
-    """Resolve grid sizes and child counts of every capsule layer, class capsules included.
-
-    Raises ConfigError when the input size leaves no grid or the layer list is inconsistent.
-    """
+def primary_grid(cfg: ModelConfig) -> int:
+    """Side of the primary capsules' grid: the backbone's, then the primary convolution's
+    (``primary_kernel``, ``primary_stride``, no padding). ConfigError when none is left."""
     size = backbone_grid(cfg.backbone, cfg.input_size)
     if size < 1:
         raise ConfigError(
             f"model.input_size: {cfg.input_size} leaves no feature grid; use a larger input"
         )
+    out = (size - cfg.primary_kernel) // cfg.primary_stride + 1
+    if out < 1:
+        raise ConfigError(
+            f"model.primary_kernel: a {size}x{size} feature grid is too small for kernel "
+            f"{cfg.primary_kernel}; use a smaller kernel or a larger model.input_size"
+        )
+    return out
+
+
+def plan_layers(cfg: ModelConfig) -> list[dict[str, object]]:
+    """Resolve grid sizes and child counts of every capsule layer, class capsules included.
+
+    Raises ConfigError when the input size leaves no grid or the layer list is inconsistent.
+    """
+    size = primary_grid(cfg)
     types, dim, kind = cfg.primary_types, cfg.primary_dim, "conv"
     plan: list[dict[str, object]] = []
     for i, spec in enumerate([*cfg.layers, _class_capsules(cfg)]):
@@ -143,16 +156,18 @@ class CapsNet(nn.Module):
         self.algorithm.check_routing(self.iterations, self.routing)
         self.output_kind = self.algorithm.output_kind
         plan = NetworkPlan(
-            channels=BACKBONE_CHANNELS[cfg.backbone],
+            channels=backbone_channels(cfg.backbone, cfg.backbone_width),
             primary_types=cfg.primary_types,
             primary_dim=cfg.primary_dim,
+            primary_kernel=cfg.primary_kernel,
+            primary_stride=cfg.primary_stride,
             num_classes=cfg.num_classes,
             dropout=cfg.dropout,
             layer_norm=cfg.layer_norm,
             agreement_scale=cfg.agreement_scale,
             head=cfg.head,
         )
-        self.backbone = build_backbone(cfg.backbone, cfg.in_channels)
+        self.backbone = build_backbone(cfg.backbone, cfg.in_channels, cfg.backbone_width)
         self.primary = self.algorithm.make_primary(plan)
         layers = layer_plans(cfg, self.algorithm.vector_poses)
         self.capsules = nn.ModuleList(self.algorithm.make_layer(p, plan) for p in layers)
@@ -235,7 +250,14 @@ def architecture_summary(cfg: ModelConfig) -> str:
     grid, and the routing, e.g. ``resnet backbone, primary 32x16, conv 32x16 k3s2 -> 7x7, conv
     32x16 k3s1 -> 5x5, fc 800->10; inverted dot-product attention routing, T=2 concurrent``."""
     plan = plan_layers(cfg)
-    parts = [f"{cfg.backbone} backbone", f"primary {cfg.primary_types}x{cfg.primary_dim}"]
+    backbone = f"{cfg.backbone} backbone"
+    if cfg.backbone_width is not None:
+        backbone += f" of {cfg.backbone_width} channels"
+    primary = f"primary {cfg.primary_types}x{cfg.primary_dim}"
+    if (cfg.primary_kernel, cfg.primary_stride) != (1, 1):
+        side = primary_grid(cfg)
+        primary += f" k{cfg.primary_kernel}s{cfg.primary_stride} -> {side}x{side}"
+    parts = [backbone, primary]
     for item in plan:
         spec: CapsLayerSpec = item["spec"]  # type: ignore[assignment]
         if spec.kind == "conv":
@@ -250,4 +272,11 @@ def architecture_summary(cfg: ModelConfig) -> str:
     return ", ".join(parts) + f"; {algo.title}, {routing}"
 
 
-__all__ = ["CapsNet", "PerClassHead", "RoutingTrace", "architecture_summary", "plan_layers"]
+__all__ = [
+    "CapsNet",
+    "PerClassHead",
+    "RoutingTrace",
+    "architecture_summary",
+    "plan_layers",
+    "primary_grid",
+]

@@ -18,6 +18,8 @@ from capsctl.layers import PoseKind
 Arch = Literal["capsnet", "cnn", "resnet18"]
 Backbone = Literal["simple", "resnet", "fast"]
 RoutingMode = Literal["concurrent", "sequential"]
+#: The backbones whose output width is a setting (``model.backbone_width``).
+WIDTH_BACKBONES: tuple[str, ...] = ("simple",)
 
 #: The default router: the paper's, inverted dot-product attention, T=2 concurrent.
 DEFAULT_ROUTER: dict[str, Any] = {"name": "idpa", "iterations": 2, "schedule": "concurrent"}
@@ -61,6 +63,11 @@ class ModelConfig:
     ``arch: cnn`` is a plain CNN with the same backbone and the same layer widths.
     ``arch: resnet18`` is torchvision's ResNet-18 with the CIFAR stem.
 
+    ``backbone_width``: channels out of the backbone (``simple`` only; None: its default, 128).
+    The primary capsules are a ``primary_kernel`` x ``primary_kernel`` convolution of stride
+    ``primary_stride`` without padding (1 and 1: the paper's CIFAR models) to
+    ``primary_types * primary_dim`` channels.
+
     Inverted dot-product attention only: ``dropout``, ``layer_norm``, ``agreement_scale`` and
     ``head`` (``shared``: one ``Linear(D, 1)`` for every class, the paper's; or ``per_class``).
     """
@@ -70,8 +77,11 @@ class ModelConfig:
     in_channels: int = 3
     input_size: int = 32
     backbone: Backbone = "resnet"
+    backbone_width: int | None = None
     primary_types: int = 32
     primary_dim: int = 16
+    primary_kernel: int = 1
+    primary_stride: int = 1
     layers: list[CapsLayerSpec] = field(default_factory=list)
     class_pose: PoseKind = "matrix"
     class_pose_dim: int | None = None

@@ -130,7 +130,7 @@ class DynamicFC(FCCapsules):
 
 
 class SquashedPrimary(PrimaryCapsules):
-    """The main model's 1x1 convolution to capsules, squashed instead of LayerNorm-ed."""
+    """The main model's convolution to capsules, squashed instead of LayerNorm-ed."""
 
     def forward(self, feats: Tensor) -> Capsules:  # type: ignore[override]
         return Capsules(squash(super().forward(feats)))
@@ -167,7 +167,12 @@ class DynamicRouting(RoutingAlgorithm):
 
     def make_primary(self, plan: NetworkPlan) -> nn.Module:
         return SquashedPrimary(
-            plan.channels, plan.primary_types, plan.primary_dim, layer_norm=False
+            plan.channels,
+            plan.primary_types,
+            plan.primary_dim,
+            layer_norm=False,
+            kernel=plan.primary_kernel,
+            stride=plan.primary_stride,
         )
 
     def make_layer(self, layer: LayerPlan, plan: NetworkPlan) -> nn.Module:

@@ -41,7 +41,7 @@ class IDPAParams:
 
 
 class LayerNormPrimary(PrimaryCapsules):
-    """1x1 convolution to capsules, LayerNorm over each pose (no activations)."""
+    """Convolution to capsules (1x1 by default), LayerNorm over each pose (no activations)."""
 
     def forward(self, feats: Tensor) -> Capsules:  # type: ignore[override]
         return Capsules(super().forward(feats))
@@ -108,7 +108,12 @@ class InvertedDotProductAttention(RoutingAlgorithm):
 
     def make_primary(self, plan: NetworkPlan) -> nn.Module:
         return LayerNormPrimary(
-            plan.channels, plan.primary_types, plan.primary_dim, layer_norm=plan.layer_norm
+            plan.channels,
+            plan.primary_types,
+            plan.primary_dim,
+            layer_norm=plan.layer_norm,
+            kernel=plan.primary_kernel,
+            stride=plan.primary_stride,
         )
 
     def make_layer(self, layer: LayerPlan, plan: NetworkPlan) -> nn.Module:

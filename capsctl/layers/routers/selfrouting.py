@@ -204,6 +204,8 @@ class SelfRouting(RoutingAlgorithm):
             plan.primary_types,
             plan.primary_dim,
             batch_norm=p.primary_norm == "batch",
+            kernel=plan.primary_kernel,
+            stride=plan.primary_stride,
         )
 
     def make_layer(self, layer: LayerPlan, plan: NetworkPlan) -> nn.Module:

@@ -69,7 +69,13 @@ class EMRouting(RoutingAlgorithm):
     scores = ("activation-share", "activation")
 
     def make_primary(self, plan: NetworkPlan) -> nn.Module:
-        return EMPrimary(plan.channels, plan.primary_types, plan.primary_dim)
+        return EMPrimary(
+            plan.channels,
+            plan.primary_types,
+            plan.primary_dim,
+            kernel=plan.primary_kernel,
+            stride=plan.primary_stride,
+        )
 
     def make_layer(self, layer: LayerPlan, plan: NetworkPlan) -> nn.Module:
         p: EMParams = self.params
