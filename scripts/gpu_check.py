@@ -495,7 +495,7 @@ _KERNELS_OF = {
     "gated": ("gate",),
     "squash": ("squash",),
     "e_step": ("e_step",),
-    "em_routing": ("m_step", "e_step"),
+    "em_routing": ("m_step", "em_estep_moments"),
 }
 
 

@@ -161,6 +161,33 @@ def test_the_cost_model_of_the_e_step_worked_out_by_hand() -> None:
     assert gpu_aot.launch_cost(backward) == {"bytes": 7616, "flops": 2880, "dtype": "float32"}
 
 
+def test_the_cost_model_of_the_fused_e_step_and_moments_worked_out_by_hand() -> None:
+    """EM's E-step fused into the next moments (em_estep.py) on an FC layer: 5 children, 3
+    sites, 3 parent types of 4x4 poses; V = 5 * 3 * 3 * 16 = 720 vote entries."""
+    from capsctl.layers.routers.em.windows import triton_e_then_moments
+
+    q, p, shift = (torch.rand(3, 3, 4, 4, requires_grad=True) for _ in range(3))
+    c, act = torch.rand(3, 3, requires_grad=True), torch.rand(3, 5, requires_grad=True)
+    x, w = torch.rand(5, 3, 4, 4, requires_grad=True), torch.rand(5, 4, 3, 4, requires_grad=True)
+    with gpu_aot.capturing() as launches:
+        s1, s2, mass = triton_e_then_moments(q, p, c, act, x, w, shift.detach(), None)
+        (s1.sum() + s2.sum() + mass.sum()).backward()
+    kernels = [launch.kernel for launch in launches]
+    assert kernels == [
+        "em_estep_stats", "em_estep_moments", "em_estep_rowdot", "em_estep_parent_grad",
+        "em_estep_input_grad", "em_estep_weight_grad",
+    ]  # fmt: skip
+    stats, moments = launches[:2]
+    assert gpu_aot.describe(stats) == {"pass": "em_estep_moments", "direction": "forward"}
+    assert gpu_aot.describe(launches[3]) == {"pass": "em_estep_moments", "direction": "backward"}
+    # x, w 240 floats each; shift, q, p 144 each; c 9; zmax and esum [B, J] 15 each: 951 floats;
+    # (2X + 5) FLOPs a vote entry
+    assert gpu_aot.launch_cost(stats) == {"bytes": 3804, "flops": 13 * 720, "dtype": "float32"}
+    # x, w, shift, q, p, c as above (921), lse and act 15 each, S1 and S2 of one span 144 each,
+    # mass 9: 1248 floats; (2X + 9) a vote entry
+    assert gpu_aot.launch_cost(moments) == {"bytes": 4992, "flops": 17 * 720, "dtype": "float32"}
+
+
 def _m_step_launches() -> list[gpu_aot.Launch]:
     """The launches of EM's M-step rest, forward and backward: 3 sites, 4 parent types of 16
     pose entries."""

@@ -27,12 +27,19 @@ SMALL = {
     ],
     "input_size": 16,
 }
-# the fused ops each routing algorithm's passes must call
+# the fused ops each routing algorithm's training step must call, as module.op: EM's first
+# M-step takes the uniform assignments, each later one the E-step fused into its moments
 OPS = {
-    "idpa": ("ops", "triton_routed"),
-    "dynamic": ("ops", "triton_routed"),
-    "em": ("em_ops", "triton_em_moments", "triton_em_quad"),
-    "self": ("ops", "triton_weighted"),
+    "idpa": ("ops.triton_routed",),
+    "dynamic": ("ops.triton_routed",),
+    "em": (
+        "em_ops.triton_em_moments",
+        "estep_moments_ops.triton_em_estep_stats",
+        "estep_moments_ops.triton_em_estep_moments",
+        "estep_moments_ops.triton_em_estep_rowdot",
+        "estep_moments_ops.triton_em_estep_grads",
+    ),
+    "self": ("ops.triton_weighted",),
 }
 
 
@@ -96,23 +103,24 @@ def test_a_training_step_through_the_triton_passes_equals_the_torch_code(
 ) -> None:
     import importlib
 
-    module = importlib.import_module(f"capsctl.layers.backend.triton.{OPS[router][0]}")
     calls: dict[str, int] = {}
-    for name in OPS[router][1:]:
-        op = getattr(module, name)
+    for name in OPS[router]:
+        where, op_name = name.split(".")
+        module = importlib.import_module(f"capsctl.layers.backend.triton.{where}")
+        op = getattr(module, op_name)
 
         def counted(*args, _op=op, _name=name, **kwargs):  # type: ignore[no-untyped-def]
             calls[_name] = calls.get(_name, 0) + 1
             return _op(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, counted)
+        monkeypatch.setattr(module, op_name, counted)
     model = routing_model(router, **SMALL)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     dispatch.reset_ran()
     with dispatch.use("triton"):
         fused = training_step(model, x)
     assert dispatch.ran().get("triton", 0) > 0, dispatch.ran()
-    assert sorted(calls) == sorted(OPS[router][1:]), calls  # the fused kernels ran
+    assert sorted(calls) == sorted(OPS[router]), calls  # the fused kernels ran
     with dispatch.use("chunked"):
         slow = training_step(model, x)
     # a gradient that is zero but for rounding (1e-8 here) is compared on the scale of the

@@ -133,6 +133,7 @@ def test_em_routing_runs_its_e_step_as_kernels(monkeypatch: pytest.MonkeyPatch) 
     from capsctl.config import build_model
     from capsctl.layers.backend.triton import aot as gpu_aot
     from capsctl.layers.routers.em import windows
+    from capsctl.layers.routers.em.procedure import keeping_assignments
 
     def no_torch_e_step(*args: object) -> None:
         raise AssertionError("the torch E-step ran where the Triton kernels run")
@@ -142,11 +143,20 @@ def test_em_routing_runs_its_e_step_as_kernels(monkeypatch: pytest.MonkeyPatch) 
     tiny = {"primary_types": 2, "primary_dim": 4, "input_size": 8, "num_classes": 2}
     layers = [{"kind": "conv", "types": 2, "pose_dim": 4, "kernel": 3, "stride": 1}]
     net = build_model({"base": "cifar10-em-simple", **tiny, "layers": layers}).train()
-    # the launches are recorded, not run: the values are not looked at
+    # the launches are recorded, not run: the values are not looked at. A training step fuses
+    # each E-step into the next M-step's moments (capsctl/layers/backend/triton/em_estep.py),
+    # two in each of the two layers at T=3; with the assignments kept (a routing trace) the
+    # E-step's own kernels run
     with gpu_aot.capturing() as launches:
         net(torch.randn(2, 3, 8, 8)).sum().backward()
     kernels = [launch.kernel for launch in launches]
+    assert kernels.count("em_estep_stats") == 4 and kernels.count("em_estep_moments") == 4
+    assert "em_estep_input_grad" in kernels and "estep_forward" not in kernels, kernels
+    with gpu_aot.capturing() as launches, keeping_assignments():
+        net(torch.randn(2, 3, 8, 8)).sum().backward()
+    kernels = [launch.kernel for launch in launches]
     assert kernels.count("estep_forward") >= 3 and "estep_backward" in kernels, kernels
+    assert "em_estep_stats" not in kernels, kernels
 
 
 def test_a_failing_e_step_kernel_falls_back_to_the_torch_code(

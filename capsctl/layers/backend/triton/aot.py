@@ -87,6 +87,14 @@ __all__ = [
 KERNEL_NAMES = {
     "kernels": ("pass_forward", "pass_backward", "pass_input_grad", "pass_weight_grad"),
     "em": ("em_forward", "em_backward", "em_input_grad", "em_weight_grad"),
+    "em_estep": (
+        "em_estep_stats",
+        "em_estep_moments",
+        "em_estep_rowdot",
+        "em_estep_parent_grad",
+        "em_estep_input_grad",
+        "em_estep_weight_grad",
+    ),
     "gate": ("gate_forward", "gate_backward"),
     "squash": ("squash_forward", "squash_backward"),
     "estep": ("estep_forward", "estep_rowdot", "estep_backward"),
@@ -245,8 +253,10 @@ def capturing() -> Iterator[list[Launch]]:
     run."""
     from capsctl.layers.backend.triton import (  # noqa: F401
         em,
+        em_estep,
         em_ops,
         estep,
+        estep_moments_ops,
         estep_ops,
         gate,
         gate_ops,
@@ -261,6 +271,7 @@ def capturing() -> Iterator[list[Launch]]:
     launches: list[Launch] = []
     modules = {"kernels": kernels, "em": em, "gate": gate, "squash": squash, "estep": estep}
     modules["mstep"] = mstep
+    modules["em_estep"] = em_estep
     # the launches a GPU gets: not the interpreter's (ops.kernel_meta widens 16-bit products
     # for it)
     items = [(dispatch, "triton_status", lambda device: ""), (ops, "interpreted", lambda: False)]

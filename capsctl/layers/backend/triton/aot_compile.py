@@ -148,7 +148,7 @@ def spills(log: str) -> dict[str, int | None]:
 
 
 def _kernel(name: str) -> Any:
-    from capsctl.layers.backend.triton import em, estep, gate, kernels, mstep, squash
+    from capsctl.layers.backend.triton import em, em_estep, estep, gate, kernels, mstep, squash
 
     table = {"pass_forward": kernels.pass_forward, "pass_backward": kernels.pass_backward}
     table |= {"pass_weight_grad": kernels.pass_weight_grad}
@@ -160,6 +160,7 @@ def _kernel(name: str) -> Any:
     table |= {"estep_forward": estep.estep_forward, "estep_rowdot": estep.estep_rowdot}
     table |= {"estep_backward": estep.estep_backward}
     table |= {"m_step_forward": mstep.m_step_forward, "m_step_backward": mstep.m_step_backward}
+    table |= {name: getattr(em_estep, name) for name in em_estep.__all__}
     return table[name]
 
 

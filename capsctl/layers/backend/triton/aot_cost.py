@@ -24,6 +24,12 @@ per entry; a weighted sum or an agreement 2, a product 1. Per vote entry:
 - EM backward, first kernel (``em_backward``): ``2X + 5`` (votes, shift, the coefficients'
   gradients); the input and weight gradients (``em_input_grad``, ``em_weight_grad``): ``4X + 5``
   each (votes, shift, ``dV``, ``dX`` or ``dW``).
+- EM's E-step fused into the moments (em_estep.py), ``R`` built again from the quadratic form
+  (4) in every kernel: the statistics ``2X + 5``; the moments ``2X + 9``; the backward's
+  ``T`` and ``dact`` (``em_estep_rowdot``) ``2X + 9`` (the quadratic form, ``g``); the
+  operands' gradients (``em_estep_parent_grad``) ``2X + 13`` (``+ dQ U``, ``dQ U^2``); the
+  input and weight gradients ``4X + 17`` (``R``, ``g`` and both terms of ``dV`` on top of the
+  product's ``4X + 1``).
 
 The softmax and other per-``(j, b, m)`` terms are ``1/(a c)`` of these and left out.
 
@@ -109,6 +115,14 @@ def _per_vote(kernel: str, f: dict[str, Any]) -> int:
         return 2 * x + 5
     if kernel in ("em_input_grad", "em_weight_grad"):
         return 4 * x + 5
+    if kernel == "em_estep_stats":
+        return 2 * x + 5
+    if kernel in ("em_estep_moments", "em_estep_rowdot"):
+        return 2 * x + 9
+    if kernel == "em_estep_parent_grad":
+        return 2 * x + 13
+    if kernel in ("em_estep_input_grad", "em_estep_weight_grad"):
+        return 4 * x + 17
     raise ValueError(f"no cost model for kernel {kernel!r}")
 
 

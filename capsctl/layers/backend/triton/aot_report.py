@@ -71,13 +71,14 @@ def group_variants(captures: Sequence[tuple[dict[str, Any], Sequence[Any]]]) -> 
 
 def describe(launch: Any) -> dict[str, str]:
     """The capsctl pass and direction a launch belongs to: ``{"pass": routed | weighted |
-    em_moments | em_quad | gate | squash | e_step | m_step,
+    em_moments | em_quad | em_estep_moments | gate | squash | e_step | m_step,
     "direction": forward | backward}``."""
     family, direction = _KERNELS[launch.kernel]
     flags = dict(launch.constexprs)
     name = {
         "pass": "routed" if flags.get("ROUTED") else "weighted",
         "em": "em_quad" if flags.get("QUAD") else "em_moments",
+        "em_estep": "em_estep_moments",
         "gate": "gate",
         "squash": "squash",
         "estep": "e_step",
@@ -97,6 +98,12 @@ _KERNELS = {
     "em_backward": ("em", "backward"),
     "em_input_grad": ("em", "backward"),
     "em_weight_grad": ("em", "backward"),
+    "em_estep_stats": ("em_estep", "forward"),
+    "em_estep_moments": ("em_estep", "forward"),
+    "em_estep_rowdot": ("em_estep", "backward"),
+    "em_estep_parent_grad": ("em_estep", "backward"),
+    "em_estep_input_grad": ("em_estep", "backward"),
+    "em_estep_weight_grad": ("em_estep", "backward"),
     "gate_forward": ("gate", "forward"),
     "gate_backward": ("gate", "backward"),
     "squash_forward": ("squash", "forward"),

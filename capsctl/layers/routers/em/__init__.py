@@ -13,16 +13,27 @@ off.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from torch import Tensor, nn
 
-from capsctl.layers.algorithm import Capsules, LayerPlan, NetworkPlan, RoutingAlgorithm
+from capsctl.layers.algorithm import (
+    Capsules,
+    LayerPlan,
+    NetworkPlan,
+    RoutingAlgorithm,
+    RoutingTrace,
+)
 from capsctl.layers.capsules import PrimaryCapsulesWithActivations
 from capsctl.layers.poses import pose_shape
 from capsctl.layers.routers.em.layer import EMLayer
-from capsctl.layers.routers.em.procedure import EM_FC_LAMBDA_FACTOR, EM_FINAL_LAMBDA
+from capsctl.layers.routers.em.procedure import (
+    EM_FC_LAMBDA_FACTOR,
+    EM_FINAL_LAMBDA,
+    keeping_assignments,
+)
 
 
 @dataclass
@@ -97,3 +108,18 @@ class EMRouting(RoutingAlgorithm):
 
     def make_head(self, dim: int, plan: NetworkPlan) -> nn.Module:
         return ActivationHead()
+
+    def run(
+        self,
+        layers: Sequence[nn.Module],
+        caps: Capsules,
+        iterations: int,
+        schedule: str,
+        trace: RoutingTrace | None,
+    ) -> Capsules:
+        """Layer by layer; a trace gets every iteration's assignments, which a GPU's fused
+        E-step otherwise never stores (:func:`keeping_assignments`)."""
+        if trace is None:
+            return super().run(layers, caps, iterations, schedule, trace)
+        with keeping_assignments():
+            return super().run(layers, caps, iterations, schedule, trace)

@@ -14,8 +14,11 @@ standardization, routing conv windows separately) are knobs, off by default.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +28,13 @@ from torch.utils.checkpoint import checkpoint
 
 from capsctl.layers.backend import em_mstep
 from capsctl.layers.backend.dispatch import choose, run_fused, takes_triton
-from capsctl.layers.passes.em_moments import vote_moments, vote_quad, vote_shift
-from capsctl.layers.routers.em.windows import WindowGrid, e_step, softmax_over_parents
+from capsctl.layers.passes.em_moments import _pose_layout, vote_moments, vote_quad, vote_shift
+from capsctl.layers.routers.em.windows import (
+    WindowGrid,
+    e_step,
+    softmax_over_parents,
+    triton_e_then_moments,
+)
 
 # Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
 # the authors' published implementation (google-research/google-research, capsule_em/).
@@ -50,6 +58,23 @@ EM_INIT_STD = {"conv": 0.3, "fc": 0.01}
 # Only for the optional cost standardization (``standardize_costs``, not in the paper).
 EM_COST_EPS = 1e-6
 EM_ASSIGNMENTS = ("parents", "window")
+
+# Whether the chunked routing returns every iteration's assignments (a routing trace asks for
+# them): on a GPU the E-step is otherwise fused into the next M-step, which never stores them.
+_KEEP_ASSIGNMENTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "em_keep_assignments", default=False
+)
+
+
+@contextmanager
+def keeping_assignments(keep: bool = True) -> Iterator[None]:
+    """Within the block, :func:`em_routing_chunked` returns every iteration's assignments (in
+    this thread or context only)."""
+    token = _KEEP_ASSIGNMENTS.set(keep)
+    try:
+        yield
+    finally:
+        _KEEP_ASSIGNMENTS.reset(token)
 
 
 def em_inverse_temperature(final_lambda: float, t: int) -> float:
@@ -195,6 +220,10 @@ def em_routing_chunked(
     ``mu - s = delta = sum w V' + s (sum w - 1)``,
     ``sigma^2 = sum w V'^2 - 2 delta sum w V' + delta^2 sum w + EM_VAR_EPS`` and
     ``sum_h (V - mu)^2 / sigma^2 = sum_h (V'^2 - 2 delta V' + delta^2) / sigma^2``.
+
+    Where the Triton kernels run (a GPU), each E-step is fused into the next M-step's moments
+    and the assignments of iterations after the first are never stored: ``rs`` then holds the
+    first iteration's only, unless :func:`keeping_assignments` asks for all of them.
     """
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
@@ -205,21 +234,73 @@ def em_routing_chunked(
     shift = vote_shift(xs.view(bsz, j, rows, xd), wc, a_in, m)  # [B, d, m]
     # the assignments site-, child-, then parent-major (capsctl/layers/passes/em_moments.py)
     r = _first_assignment(xs, bsz, m, j, grid).transpose(1, 2)  # [B, J, m]
+    fuse = not _KEEP_ASSIGNMENTS.get() and takes_triton(x, wc)
+    e_operands: tuple[Tensor, Tensor] | None = None  # the last M-step's qp and c, when fused
     rs: list[Tensor] = []
     mus: list[Tensor] = []
     acts: list[Tensor] = []
     for t in range(iterations):
-        rs.append(r.transpose(1, 2))  # [B, m, J]
         # [2, B, d, m] and [B, m, 1]: sum_J R a (V', V'^2) and sum_J R a, R a formed chunk by chunk
-        s, mass = vote_moments(r, a_in, x, wc, shift)
+        if e_operands is None:
+            rs.append(r.transpose(1, 2))  # [B, m, J]
+            s, mass = vote_moments(r, a_in, x, wc, shift)
+        else:
+            s, mass = _e_then_moments(*e_operands, a_in, x, wc, shift, grid)
         mu, act, qp, c = _parent_step(
             s, mass, shift, beta_u, beta_a, final_lambda, t, standardize_costs
         )
         mus.append(mu)
         acts.append(act)
         if t + 1 < iterations:
-            r = e_step(vote_quad(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
+            if fuse:
+                e_operands = (qp, c.transpose(1, 2))
+            else:
+                r = e_step(vote_quad(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
     return mus[-1], acts[-1], rs, mus, acts
+
+
+def _e_then_moments(
+    qp: Tensor,
+    c: Tensor,
+    a_in: Tensor,
+    x: Tensor,
+    wc: Tensor,
+    shift: Tensor,
+    grid: WindowGrid | None,
+) -> tuple[Tensor, Tensor]:
+    """An E-step from the last M-step's ``qp[2, B, d, m]`` and ``c[B, 1, m]``, then the moments
+    of its assignments: ``S[2, B, d, m]`` and ``mass[B, m, 1]``, as :func:`vote_moments` of
+    :func:`e_step` of :func:`vote_quad`. Fused Triton kernels where they run (the assignments
+    never stored); those three where the kernels fail."""
+    fused = run_fused(
+        "em_estep_moments", functools.partial(_triton_e_then_moments, grid=grid),
+        qp, c, a_in, x, wc, shift,
+    )  # fmt: skip
+    if fused is not None:
+        return fused
+    r = e_step(vote_quad(qp, x, wc, shift), c, grid)  # [B, J, m]
+    return vote_moments(r, a_in, x, wc, shift)
+
+
+def _triton_e_then_moments(
+    qp: Tensor,
+    c: Tensor,
+    a_in: Tensor,
+    x: Tensor,
+    wc: Tensor,
+    shift: Tensor,
+    *,
+    grid: WindowGrid | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`_e_then_moments` as the Triton kernels (their layouts in and out)."""
+    j, bsz, rows, xd = x.shape
+    m = shift.shape[2]
+    w = wc.view(j, xd, -1, m).transpose(2, 3)  # [J, x, c*m] -> [J, x, m, c]
+    q, p = (_pose_layout(t, rows, m) for t in qp.unbind(0))  # [B, m, a, c] each
+    cb = c.reshape(bsz, m)  # [B, 1, m] -> [B, m]
+    s1, s2, mass = triton_e_then_moments(q, p, cb, a_in, x, w, _pose_layout(shift, rows, m), grid)
+    s = torch.stack((s1, s2)).permute(0, 1, 3, 4, 2)  # [2, B, m, a, c] -> [2, B, a, c, m]
+    return s.reshape(2, bsz, -1, m), mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]
 
 
 def _parent_step(

@@ -203,3 +203,79 @@ def triton_e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
     """``R[B, J, m]`` from ``quad[B, J, m]`` (kept) and ``c[B, 1, m]`` (:class:`TritonEStep`)."""
     out: Tensor = TritonEStep.apply(quad, c, grid)
     return out
+
+
+class TritonEStepMoments(torch.autograd.Function):
+    """An E-step and the next M-step's moments as the Triton kernels of
+    capsctl/layers/backend/triton/em_estep.py (a GPU, or Triton's interpreter), the assignments
+    never stored: ``(q, p[B, m, a, c], c[B, m], act[B, J], x[J, B, a, x], w[J, x, m, c],
+    shift[B, m, a, c], grid)`` -> ``(S1, S2[B, m, a, c], mass[B, m])``, the values of
+    :class:`EStep` on the quadratic form ``sum_{a,c} (q U + p U^2)`` followed by the moments
+    ``sum_J R act (U, U^2)`` and ``sum_J R act``. Forward: each entry's max and sum of
+    exponentials, combined here over every window its child falls in into the child's
+    normalizer ``lse[B, J]``, then the moments with ``R`` built on chip. Backward: each entry's
+    ``T = sum_m R g act`` (``g`` the gradient reaching ``R act``), summed over windows here,
+    then the gradients. Saves the inputs and ``lse``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        q: Tensor,
+        p: Tensor,
+        c: Tensor,
+        act: Tensor,
+        x: Tensor,
+        w: Tensor,
+        shift: Tensor,
+        grid: WindowGrid | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        from capsctl.layers.backend.triton import estep_moments_ops as ops
+
+        tiling = [0, 0]
+        zmax, esum = ops.triton_em_estep_stats(q, p, c, x, w, shift, tiling)  # [B, J] each
+        if grid is None:
+            lse = zmax + torch.log(esum)  # [B, J]
+        else:
+            top = grid.max_overwindow_sites(zmax)  # [B, J]: the child's max over its windows
+            total = grid.sum_overwindow_sites(esum * torch.exp(zmax - top))  # [B, J]
+            lse = top + torch.log(total)  # [B, J]
+        s1, s2, mass = ops.triton_em_estep_moments(q, p, c, lse, act, x, w, shift, tiling)
+        ctx.save_for_backward(q, p, c, lse, act, x, w, shift)
+        ctx.grid = grid
+        return s1, s2, mass
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g1: Tensor, g2: Tensor, gm: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        from capsctl.layers.backend.triton import estep_moments_ops as ops
+
+        q, p, c, lse, act, x, w, shift = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        g1 = torch.zeros_like(shift) if g1 is None else g1
+        g2 = torch.zeros_like(shift) if g2 is None else g2
+        gm = torch.zeros_like(c) if gm is None else gm
+        tiling = [0, 0]
+        t, dact = ops.triton_em_estep_rowdot(q, p, c, lse, act, x, w, shift, g1, g2, gm, tiling)
+        tc = t if ctx.grid is None else ctx.grid.sum_overwindow_sites(t)  # [B, J]
+        needs = [n[0] or n[1] or n[2], n[4], n[5]]
+        dq, dp, dc, dx, dw = ops.triton_em_estep_grads(
+            q, p, c, lse, act, x, w, shift, g1, g2, gm, tc, needs, tiling
+        )
+        grads = (dq, dp, dc, dact, dx, dw)
+        keep = (n[0], n[1], n[2], n[3], n[4], n[5])
+        return (*(g if k else None for g, k in zip(grads, keep, strict=True)), None, None)
+
+
+def triton_e_then_moments(
+    q: Tensor,
+    p: Tensor,
+    c: Tensor,
+    act: Tensor,
+    x: Tensor,
+    w: Tensor,
+    shift: Tensor,
+    grid: WindowGrid | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`TritonEStepMoments`: ``(S1, S2[B, m, a, c], mass[B, m])``."""
+    out: tuple[Tensor, Tensor, Tensor] = TritonEStepMoments.apply(q, p, c, act, x, w, shift, grid)
+    return out

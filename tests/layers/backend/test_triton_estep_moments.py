@@ -1,0 +1,156 @@
+"""EM routing's E-step fused into the next M-step's moments (Triton kernels of
+capsctl/layers/backend/triton/em_estep.py, under Triton's interpreter), the assignments never
+stored: values and every gradient against the equations as einsums in float64 (Hinton, Sabour,
+Frosst, ICLR 2018, Procedure 1) with the softmax over every parent a conv child votes for, and
+by gradcheck.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: the kernels run on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton cannot import (it ships with torch's CUDA wheels)")
+
+from capsctl.layers.routers.em.windows import (  # noqa: E402
+    WindowGrid,
+    softmax_over_parents,
+    triton_e_then_moments,
+)
+
+F64 = torch.float64
+# a conv layer's sites: 2 images, a 4x4 grid of 2 child types, 3x3 windows of stride 1 (2x2
+# sites), so that J = 3 * 3 * 2 = 18 children at each of B = 2 * 2 * 2 = 8 sites
+GRID = WindowGrid.of(torch.zeros(2, 4, 4, 2), 3, 1)  # the child activations [b, H, W, n]
+# (J, B, a, x, m, c, grid)
+SHAPES = {
+    "conv-windows": (18, 8, 4, 4, 3, 4, GRID),
+    "fc-matrix": (5, 3, 4, 4, 3, 4, None),
+    "fc-vector-odd": (7, 2, 1, 6, 5, 3, None),
+    "one-parent": (4, 2, 4, 4, 1, 4, None),
+}
+
+
+def _inputs(shape, dtype=F64, seed=0):  # type: ignore[no-untyped-def]
+    """``q, p[B, m, a, c]`` (``p > 0``: inverse variances), ``c[B, m]``, ``act[B, J]``,
+    ``x[J, B, a, x]``, ``w[J, x, m, c]``, ``shift[B, m, a, c]``."""
+    j, bsz, a, xd, m, c = shape[:6]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(bsz, m, a, c, generator=g, dtype=dtype)
+    p = torch.rand(bsz, m, a, c, generator=g, dtype=dtype) + 0.2
+    cc = torch.randn(bsz, m, generator=g, dtype=dtype)
+    act = torch.rand(bsz, j, generator=g, dtype=dtype)
+    x = torch.randn(j, bsz, a, xd, generator=g, dtype=dtype)
+    w = torch.randn(j, xd, m, c, generator=g, dtype=dtype) / xd**0.5
+    shift = torch.randn(bsz, m, a, c, generator=g, dtype=dtype) * 0.1
+    return q, p, cc, act, x, w, shift
+
+
+def equations(q, p, c, act, x, w, shift, grid):  # type: ignore[no-untyped-def]
+    """The E-step and the moments written out: ``U = X W - shift``, ``z = c - sum_{a,c}
+    (q U + p U^2) / 2``, ``R`` the softmax of ``z`` over every parent the child votes for,
+    ``S1 = sum_J R act U``, ``S2 = sum_J R act U^2``, ``mass = sum_J R act``."""
+    u = torch.einsum("jbax,jxmc->bjmac", x, w) - shift[:, None]  # [B, J, m, a, c]
+    quad = torch.einsum("bjmac,bmac->bjm", u, q) + torch.einsum("bjmac,bmac->bjm", u * u, p)
+    z = c[:, None, :] - 0.5 * quad  # [B, J, m]
+    if grid is None:
+        r = torch.softmax(z, dim=-1)  # [B, J, m]
+    else:
+        r = softmax_over_parents(z.transpose(1, 2), grid).transpose(1, 2)  # [B, J, m]
+    k = r * act[:, :, None]  # [B, J, m]
+    s1 = torch.einsum("bjm,bjmac->bmac", k, u)  # [B, m, a, c]
+    s2 = torch.einsum("bjm,bjmac->bmac", k, u * u)  # [B, m, a, c]
+    return s1, s2, k.sum(1)  # ..., [B, m]
+
+
+def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.clone().requires_grad_() for t in ts]
+
+
+def _loss(outs, seed: int = 1):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)  # the same weights for float32 and float64 outputs
+    return sum((o * torch.randn(o.shape, generator=g, dtype=F64).to(o.dtype)).sum() for o in outs)
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_fused_e_step_and_moments_match_the_equations_in_float64(shape) -> None:  # type: ignore[no-untyped-def]
+    *ins, shift = _inputs(shape)
+    grid = shape[6]
+    got_in, ref_in = _leaves(*ins), _leaves(*ins)
+    out = triton_e_then_moments(*got_in, shift, grid)
+    want = equations(*ref_in, shift, grid)
+    for got, ref in zip(out, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad(_loss(out), got_in)
+    for got, ref in zip(grads, torch.autograd.grad(_loss(want), ref_in), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_fused_e_step_and_moments_in_float32_stay_within_their_tolerance() -> None:
+    """Float32 inputs (float32 sums, tf32x3 products) against the float64 equations: within
+    1e-4 relative, 1e-5 absolute, as the unfused passes."""
+    shape = SHAPES["conv-windows"]
+    *ins, shift = _inputs(shape, seed=4)
+    grid = shape[6]
+    got_in = _leaves(*(t.float() for t in ins))
+    out = triton_e_then_moments(*got_in, shift.float(), grid)
+    ref_in = _leaves(*ins)
+    want = equations(*ref_in, shift, grid)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    for got, ref in zip(out, want, strict=True):
+        torch.testing.assert_close(got.double(), ref, **tol)
+    grads = torch.autograd.grad(_loss(out), got_in)
+    for got, ref in zip(grads, torch.autograd.grad(_loss(want), ref_in), strict=True):
+        torch.testing.assert_close(got.double(), ref, **tol)
+
+
+def test_fused_e_step_and_moments_pass_gradcheck_and_opcheck() -> None:
+    shape = SHAPES["conv-windows"]
+    *ins, shift = _inputs(shape, seed=3)
+    grid = shape[6]
+    assert torch.autograd.gradcheck(
+        lambda *t: triton_e_then_moments(*t, shift, grid), _leaves(*ins), fast_mode=True
+    )
+    q, p, c, act, x, w, shift = _inputs(SHAPES["fc-matrix"], dtype=torch.float32)
+    ops = torch.ops.capsctl
+    lse = torch.zeros(act.shape)
+    g1, g2, gm = torch.randn_like(shift), torch.randn_like(shift), torch.randn_like(c)
+    torch.library.opcheck(ops.triton_em_estep_stats.default, (q, p, c, x, w, shift, [0, 0]))
+    base = (q, p, c, lse, act, x, w, shift)
+    torch.library.opcheck(ops.triton_em_estep_moments.default, (*base, [0, 0]))
+    torch.library.opcheck(ops.triton_em_estep_rowdot.default, (*base, g1, g2, gm, [0, 0]))
+    grads = (*base, g1, g2, gm, torch.randn_like(lse), [True, True, True], [0, 0])
+    torch.library.opcheck(ops.triton_em_estep_grads.default, grads)
+
+
+def test_a_routing_trace_gets_every_iterations_assignments() -> None:
+    """Trained through the fused kernels, EM routing stores no assignments after its first
+    iteration; a trace (``inspect-routing``) still gets all three iterations' of every layer,
+    equal to the torch code's."""
+    from capsctl.config import build_model
+    from capsctl.layers.backend import dispatch
+
+    torch.manual_seed(0)
+    tiny = {"primary_types": 2, "primary_dim": 4, "input_size": 8, "num_classes": 2}
+    layers = [{"kind": "conv", "types": 2, "pose_dim": 4, "kernel": 3, "stride": 1}]
+    net = build_model({"base": "cifar10-em-simple", **tiny, "layers": layers}).eval()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with dispatch.use("triton"):
+            dispatch.reset_ran()
+            out, trace = net(x, trace=True)
+            assert dispatch.fused_ran().get("e_step", 0) == 4, dispatch.fused_ran()
+            plain = net(x)
+            assert dispatch.fused_ran().get("em_estep_moments", 0) == 4, dispatch.fused_ran()
+        with dispatch.use("chunked"):
+            want, want_trace = net(x, trace=True)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-5)
+    assert [len(c) for c in trace.coefficients] == [3, 3]
+    for got, ref in zip(trace.coefficients, want_trace.coefficients, strict=True):
+        for r, r_ref in zip(got, ref, strict=True):
+            torch.testing.assert_close(r, r_ref, rtol=1e-4, atol=1e-5)
