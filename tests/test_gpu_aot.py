@@ -42,7 +42,7 @@ PRESETS = {
 PICK = {
     "idpa": ("routed", "forward"),
     "dynamic": ("routed", "backward"),
-    "em": ("em_moments", "backward"),
+    "em": ("em_estep_moments", "backward"),
     "self": ("weighted", "forward"),
 }
 FIELDS = ("registers", "spill_bytes", "stack_bytes", "shared_bytes", "acq_rel_atomics", "mma")

@@ -27,13 +27,13 @@ SMALL = {
     ],
     "input_size": 16,
 }
-# the fused ops each routing algorithm's training step must call, as module.op: EM's first
-# M-step takes the uniform assignments, each later one the E-step fused into its moments
+# the fused ops each routing algorithm's training step must call, as module.op: each EM
+# M-step takes its assignments through the fused E-step and moments (the first, uniform ones
+# without the statistics)
 OPS = {
     "idpa": ("ops.triton_routed",),
     "dynamic": ("ops.triton_routed",),
     "em": (
-        "em_ops.triton_em_moments",
         "estep_moments_ops.triton_em_estep_stats",
         "estep_moments_ops.triton_em_estep_moments",
         "estep_moments_ops.triton_em_estep_rowdot",

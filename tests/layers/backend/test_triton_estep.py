@@ -145,13 +145,15 @@ def test_em_routing_runs_its_e_step_as_kernels(monkeypatch: pytest.MonkeyPatch) 
     net = build_model({"base": "cifar10-em-simple", **tiny, "layers": layers}).train()
     # the launches are recorded, not run: the values are not looked at. A training step fuses
     # each E-step into the next M-step's moments (capsctl/layers/backend/triton/em_estep.py),
-    # two in each of the two layers at T=3; with the assignments kept (a routing trace) the
-    # E-step's own kernels run
+    # two in each of the two layers at T=3, and takes the first M-step's uniform assignments
+    # through the same kernels; with the assignments kept (a routing trace) the E-step's own
+    # kernels run
     with gpu_aot.capturing() as launches:
         net(torch.randn(2, 3, 8, 8)).sum().backward()
     kernels = [launch.kernel for launch in launches]
-    assert kernels.count("em_estep_stats") == 4 and kernels.count("em_estep_moments") == 4
+    assert kernels.count("em_estep_stats") == 4 and kernels.count("em_estep_moments") == 6
     assert "em_estep_input_grad" in kernels and "estep_forward" not in kernels, kernels
+    assert "em_forward" not in kernels, kernels  # no assignment-sized tensor read
     with gpu_aot.capturing() as launches, keeping_assignments():
         net(torch.randn(2, 3, 8, 8)).sum().backward()
     kernels = [launch.kernel for launch in launches]

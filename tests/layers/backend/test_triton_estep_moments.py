@@ -108,6 +108,35 @@ def test_fused_e_step_and_moments_in_float32_stay_within_their_tolerance() -> No
         torch.testing.assert_close(got.double(), ref, **tol)
 
 
+@pytest.mark.parametrize("shape", [SHAPES["conv-windows"], SHAPES["fc-matrix"]], ids=["conv", "fc"])
+def test_the_first_m_steps_uniform_assignments_through_the_fused_kernels(shape) -> None:  # type: ignore[no-untyped-def]
+    """With the E-step's operands zero and each child's normalizer given, ``lse = log(m *
+    windows)``, the kernels take the first M-step's uniform assignments ``1 / (m * windows)``
+    (Procedure 1's ``1 / |Omega_{L+1}|``): the moments and the gradients of ``act``, ``x`` and
+    ``w`` (the operands need none) equal the equations'."""
+    _, _, _, act, x, w, shift = _inputs(shape, seed=5)
+    j, bsz, m, grid = shape[0], shape[1], shape[4], shape[6]
+    ones = torch.ones(bsz, j, dtype=F64)
+    windows = ones if grid is None else grid.sum_overwindow_sites(ones)  # [B, J]
+    lse = torch.log(m * windows)  # [B, J]
+    zeros = torch.zeros(bsz, m, shape[2], shape[5], dtype=F64)
+    got_in, ref_in = _leaves(act, x, w), _leaves(act, x, w)
+    out = triton_e_then_moments(zeros, zeros, zeros[..., 0, 0], *got_in, shift, grid, lse)
+    r = (1.0 / (m * windows))[:, :, None].expand(bsz, j, m)  # [B, J, m]
+    u = torch.einsum("jbax,jxmc->bjmac", ref_in[1], ref_in[2]) - shift[:, None]
+    k = r * ref_in[0][:, :, None]  # [B, J, m]
+    want = (
+        torch.einsum("bjm,bjmac->bmac", k, u),
+        torch.einsum("bjm,bjmac->bmac", k, u * u),
+        k.sum(1),
+    )
+    for got, ref in zip(out, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad(_loss(out), got_in)
+    for got, ref in zip(grads, torch.autograd.grad(_loss(want), ref_in), strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+
+
 def test_fused_e_step_and_moments_pass_gradcheck_and_opcheck() -> None:
     shape = SHAPES["conv-windows"]
     *ins, shift = _inputs(shape, seed=3)
@@ -123,8 +152,9 @@ def test_fused_e_step_and_moments_pass_gradcheck_and_opcheck() -> None:
     base = (q, p, c, lse, act, x, w, shift)
     torch.library.opcheck(ops.triton_em_estep_moments.default, (*base, [0, 0]))
     torch.library.opcheck(ops.triton_em_estep_rowdot.default, (*base, g1, g2, gm, [0, 0]))
-    grads = (*base, g1, g2, gm, torch.randn_like(lse), [True, True, True], [0, 0])
-    torch.library.opcheck(ops.triton_em_estep_grads.default, grads)
+    for needs in ([True, True, True], [False, True, True], [True, False, False]):
+        grads = (*base, g1, g2, gm, torch.randn_like(lse), needs, [0, 0])
+        torch.library.opcheck(ops.triton_em_estep_grads.default, grads)
 
 
 def test_a_routing_trace_gets_every_iterations_assignments() -> None:
@@ -145,7 +175,8 @@ def test_a_routing_trace_gets_every_iterations_assignments() -> None:
             out, trace = net(x, trace=True)
             assert dispatch.fused_ran().get("e_step", 0) == 4, dispatch.fused_ran()
             plain = net(x)
-            assert dispatch.fused_ran().get("em_estep_moments", 0) == 4, dispatch.fused_ran()
+            # three M-steps in each of two layers, the first with the uniform assignments
+            assert dispatch.fused_ran().get("em_estep_moments", 0) == 6, dispatch.fused_ran()
         with dispatch.use("chunked"):
             want, want_trace = net(x, trace=True)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)

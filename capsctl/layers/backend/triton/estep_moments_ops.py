@@ -173,11 +173,11 @@ def triton_em_estep_grads(
     m, cc = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
     plan = _plan(x, w, tiling)
-    empty = x.new_empty(0)
     meta = {k: v for k, v in _meta(x, w, plan, False, x.numel(), w.numel()).items()}
     meta.pop("QUAD")
     args = (x, w, shift, q, p, c, lse, act, g1, g2, gm, tc)
-    dq = dp = dc = dx = dw = empty
+    # an unneeded gradient: an empty tensor of its own (a custom op's outputs may not alias)
+    dq, dp, dc, dx, dw = (x.new_empty(0) for _ in range(5))
     with on_device(x):
         if needs[0]:
             dq = x.new_empty(plan.spans, bsz, m, a, cc, dtype=dt)  # [spans, B, m, a, c]

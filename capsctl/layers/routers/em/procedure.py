@@ -243,7 +243,10 @@ def em_routing_chunked(
         # [2, B, d, m] and [B, m, 1]: sum_J R a (V', V'^2) and sum_J R a, R a formed chunk by chunk
         if e_operands is None:
             rs.append(r.transpose(1, 2))  # [B, m, J]
-            s, mass = vote_moments(r, a_in, x, wc, shift)
+            if fuse:  # the uniform assignments, never stored either
+                s, mass = _uniform_moments(r, a_in, x, wc, shift, grid)
+            else:
+                s, mass = vote_moments(r, a_in, x, wc, shift)
         else:
             s, mass = _e_then_moments(*e_operands, a_in, x, wc, shift, grid)
         mu, act, qp, c = _parent_step(
@@ -282,6 +285,38 @@ def _e_then_moments(
     return vote_moments(r, a_in, x, wc, shift)
 
 
+def _uniform_moments(
+    r: Tensor, a_in: Tensor, x: Tensor, wc: Tensor, shift: Tensor, grid: WindowGrid | None
+) -> tuple[Tensor, Tensor]:
+    """:func:`vote_moments` of the first M-step's uniform assignments ``r[B, J, m]`` (an
+    expanded ``1 / (m * windows)``) as the fused kernels of :func:`_e_then_moments`: the
+    E-step's operands zero and each child's normalizer ``lse = log(m * windows)`` given, so
+    that no assignment-sized tensor is read or written. :func:`vote_moments` where they fail."""
+    fused = run_fused(
+        "em_estep_moments", functools.partial(_triton_uniform_moments, grid=grid),
+        r, a_in, x, wc, shift,
+    )  # fmt: skip
+    if fused is not None:
+        return fused
+    return vote_moments(r, a_in, x, wc, shift)
+
+
+def _triton_uniform_moments(
+    r: Tensor,
+    a_in: Tensor,
+    x: Tensor,
+    wc: Tensor,
+    shift: Tensor,
+    *,
+    grid: WindowGrid | None,
+) -> tuple[Tensor, Tensor]:
+    bsz, m = a_in.shape[0], shift.shape[2]
+    qp = shift.new_zeros(2, *shift.shape)  # [2, B, d, m]
+    c = shift.new_zeros(bsz, 1, m)  # [B, 1, m]
+    lse = -torch.log(r[:, :, 0])  # [B, J]: R = exp(0 - lse) = 1 / (m * windows)
+    return _triton_e_then_moments(qp, c, a_in, x, wc, shift, grid=grid, lse=lse)
+
+
 def _triton_e_then_moments(
     qp: Tensor,
     c: Tensor,
@@ -291,14 +326,17 @@ def _triton_e_then_moments(
     shift: Tensor,
     *,
     grid: WindowGrid | None,
+    lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`_e_then_moments` as the Triton kernels (their layouts in and out)."""
+    """:func:`_e_then_moments` as the Triton kernels (their layouts in and out); ``lse``: each
+    child's normalizer, given (:func:`_uniform_moments`) or from the E-step's statistics."""
     j, bsz, rows, xd = x.shape
     m = shift.shape[2]
     w = wc.view(j, xd, -1, m).transpose(2, 3)  # [J, x, c*m] -> [J, x, m, c]
     q, p = (_pose_layout(t, rows, m) for t in qp.unbind(0))  # [B, m, a, c] each
     cb = c.reshape(bsz, m)  # [B, 1, m] -> [B, m]
-    s1, s2, mass = triton_e_then_moments(q, p, cb, a_in, x, w, _pose_layout(shift, rows, m), grid)
+    sh = _pose_layout(shift, rows, m)  # [B, m, a, c]
+    s1, s2, mass = triton_e_then_moments(q, p, cb, a_in, x, w, sh, grid, lse)
     s = torch.stack((s1, s2)).permute(0, 1, 3, 4, 2)  # [2, B, m, a, c] -> [2, B, a, c, m]
     return s.reshape(2, bsz, -1, m), mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]
 

@@ -205,6 +205,16 @@ def triton_e_step(quad: Tensor, c: Tensor, grid: WindowGrid | None) -> Tensor:
     return out
 
 
+def _child_normalizer(zmax: Tensor, esum: Tensor, grid: WindowGrid | None) -> Tensor:
+    """``log sum exp(z)`` over every parent a child votes for, at each of its entries
+    ``[B, J]``, from each entry's ``zmax[B, J]`` and ``esum = sum_m exp(z - zmax)``."""
+    if grid is None:
+        return zmax + torch.log(esum)  # [B, J]
+    top = grid.max_overwindow_sites(zmax)  # [B, J]: the child's max over its windows
+    total = grid.sum_overwindow_sites(esum * torch.exp(zmax - top))  # [B, J]
+    return top + torch.log(total)  # [B, J]
+
+
 class TritonEStepMoments(torch.autograd.Function):
     """An E-step and the next M-step's moments as the Triton kernels of
     capsctl/layers/backend/triton/em_estep.py (a GPU, or Triton's interpreter), the assignments
@@ -215,7 +225,8 @@ class TritonEStepMoments(torch.autograd.Function):
     exponentials, combined here over every window its child falls in into the child's
     normalizer ``lse[B, J]``, then the moments with ``R`` built on chip. Backward: each entry's
     ``T = sum_m R g act`` (``g`` the gradient reaching ``R act``), summed over windows here,
-    then the gradients. Saves the inputs and ``lse``."""
+    then the gradients. Saves the inputs and ``lse``. A given ``lse`` (with ``q = p = c = 0``:
+    the first M-step's uniform assignments ``exp(-lse)``) skips the statistics."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -228,17 +239,14 @@ class TritonEStepMoments(torch.autograd.Function):
         w: Tensor,
         shift: Tensor,
         grid: WindowGrid | None,
+        lse: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         from capsctl.layers.backend.triton import estep_moments_ops as ops
 
         tiling = [0, 0]
-        zmax, esum = ops.triton_em_estep_stats(q, p, c, x, w, shift, tiling)  # [B, J] each
-        if grid is None:
-            lse = zmax + torch.log(esum)  # [B, J]
-        else:
-            top = grid.max_overwindow_sites(zmax)  # [B, J]: the child's max over its windows
-            total = grid.sum_overwindow_sites(esum * torch.exp(zmax - top))  # [B, J]
-            lse = top + torch.log(total)  # [B, J]
+        if lse is None:
+            zmax, esum = ops.triton_em_estep_stats(q, p, c, x, w, shift, tiling)  # [B, J] each
+            lse = _child_normalizer(zmax, esum, grid)  # [B, J]
         s1, s2, mass = ops.triton_em_estep_moments(q, p, c, lse, act, x, w, shift, tiling)
         ctx.save_for_backward(q, p, c, lse, act, x, w, shift)
         ctx.grid = grid
@@ -263,7 +271,7 @@ class TritonEStepMoments(torch.autograd.Function):
         )
         grads = (dq, dp, dc, dact, dx, dw)
         keep = (n[0], n[1], n[2], n[3], n[4], n[5])
-        return (*(g if k else None for g, k in zip(grads, keep, strict=True)), None, None)
+        return (*(g if k else None for g, k in zip(grads, keep, strict=True)), None, None, None)
 
 
 def triton_e_then_moments(
@@ -275,7 +283,10 @@ def triton_e_then_moments(
     w: Tensor,
     shift: Tensor,
     grid: WindowGrid | None,
+    lse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:class:`TritonEStepMoments`: ``(S1, S2[B, m, a, c], mass[B, m])``."""
-    out: tuple[Tensor, Tensor, Tensor] = TritonEStepMoments.apply(q, p, c, act, x, w, shift, grid)
+    out: tuple[Tensor, Tensor, Tensor] = TritonEStepMoments.apply(
+        q, p, c, act, x, w, shift, grid, lse
+    )
     return out
