@@ -168,3 +168,35 @@ def test_running_out_of_memory_is_not_a_kernel_failure(monkeypatch: pytest.Monke
     with pytest.raises(torch.OutOfMemoryError), dispatch.use("triton"):
         routed_pass(*_routed_inputs(), 0.25)
     assert dispatch._FUSED_FAILED == {}
+
+
+@pytest.mark.parametrize("kernel", ["em_estep_stats", "em_estep_input_grad"])
+def test_a_failing_fused_e_step_kernel_falls_back_to_torch_code(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kernel: str
+) -> None:
+    """EM routing whose fused E-step and moments kernel fails, forward or backward: the routing
+    runs the E-step, quadratic form and moments on their own instead, after one warning naming
+    the pass, with the torch code's values and gradients."""
+    from capsctl.layers.backend.triton import em_estep
+    from capsctl.layers.routers.em.procedure import em_routing_chunked
+
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(B, J, A * X, generator=g)  # [B, J, a*x]
+    w = torch.randn(J, X, M, C, generator=g) * 0.3  # [J, x, m, c]
+    act = torch.rand(B, J, generator=g)
+    beta = torch.zeros(M)
+
+    def routed(*ins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mu, a_out = em_routing_chunked(*ins[:3], beta, beta, 3, 1.0, rows=A)[:2]
+        return (mu, a_out, *torch.autograd.grad(mu.sum() + a_out.sum(), ins))
+
+    with dispatch.use("chunked"):
+        want = routed(*(t.clone().requires_grad_() for t in (xs, w, act)))
+    monkeypatch.setattr(em_estep, kernel, _Failing(LAUNCH))
+    with caplog.at_level(logging.WARNING), dispatch.use("triton"):
+        got = routed(*(t.clone().requires_grad_() for t in (xs, w, act)))
+    # three iterations and their gradients, summed in other orders than the torch code's
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    messages = _warnings(caplog)
+    assert messages and all("em_estep_moments pass" in m for m in messages), messages
+    assert "illegal memory access" in messages[0]
