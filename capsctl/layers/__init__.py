@@ -38,13 +38,7 @@ from capsctl.layers.backend import chunks, dispatch
 from capsctl.layers.backend.native import native_status, native_summary
 from capsctl.layers.backend.triton import aot as gpu_aot
 from capsctl.layers.baseline_capsules import BaselineCapsules
-from capsctl.layers.capsules import (
-    CapsuleLayer,
-    ConvCapsules,
-    FCCapsules,
-    PrimaryCapsules,
-    PrimaryCapsulesWithActivations,
-)
+from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules
 from capsctl.layers.passes.em_moments import vote_moments, vote_quad
 from capsctl.layers.passes.flops import routing_flop_tally
 from capsctl.layers.passes.gated import gated_pass
@@ -52,6 +46,7 @@ from capsctl.layers.passes.layout import images_channels_last
 from capsctl.layers.passes.routed import routed_pass
 from capsctl.layers.passes.weighted import weighted_pass
 from capsctl.layers.poses import PoseKind, pose_shape
+from capsctl.layers.primary import PrimaryCapsules, PrimaryCapsulesWithActivations
 from capsctl.layers.routers import ROUTERS, get_router, list_routers, make_router
 from capsctl.layers.routers.dynamic import squash
 from capsctl.layers.routers.em.procedure import em_routing_chunked

@@ -40,7 +40,15 @@ from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans, site_spans, site_workers, vote_chunk_bytes
 from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 
-__all__ = ["EM_CHUNK_BYTES", "VoteMoments", "VoteQuad", "vote_moments", "vote_quad", "vote_shift"]
+__all__ = [
+    "EM_CHUNK_BYTES",
+    "VoteMoments",
+    "VoteQuad",
+    "pose_layout",
+    "vote_moments",
+    "vote_quad",
+    "vote_shift",
+]
 
 # Bytes of votes per chunk of parent sites on a CPU; 0 (the default): chunks.py decides.
 EM_CHUNK_BYTES = 0
@@ -289,7 +297,7 @@ class VoteQuad(torch.autograd.Function):
         return _grads(ctx, gqp, gx, _sum_gw(gws))
 
 
-def _pose_layout(t: Tensor, a: int, m: int) -> Tensor:
+def pose_layout(t: Tensor, a: int, m: int) -> Tensor:
     """``[B, d, m]`` (``d = (a, c)``) -> ``[B, m, a, c]``, the Triton kernels' layout."""
     return t.view(t.shape[0], a, -1, m).permute(0, 3, 1, 2)  # [B, m, a, c]
 
@@ -318,7 +326,7 @@ def _triton_moments(
     j, bsz, rows, xd = x.shape
     m = shift.shape[2]
     w = wc.view(j, xd, -1, m).transpose(2, 3)  # [J, x, c*m] -> [J, x, m, c]
-    s1, s2, mass = triton_em_moments(r, a, x, w, _pose_layout(shift, rows, m))  # [B, m, a, c] x2
+    s1, s2, mass = triton_em_moments(r, a, x, w, pose_layout(shift, rows, m))  # [B, m, a, c] x2
     s = torch.stack((s1, s2)).permute(0, 1, 3, 4, 2)  # [2, B, a, c, m]
     return s.reshape(2, bsz, -1, m), mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]
 
@@ -342,5 +350,5 @@ def _triton_quad(qp: Tensor, x: Tensor, wc: Tensor, shift: Tensor) -> Tensor:
     j, _, rows, xd = x.shape
     m = shift.shape[2]
     w = wc.view(j, xd, -1, m).transpose(2, 3)  # [J, x, c*m] -> [J, x, m, c]
-    q, p = (_pose_layout(t, rows, m) for t in qp.unbind(0))  # [B, m, a, c] each
-    return triton_em_quad(q, p, x, w, _pose_layout(shift, rows, m))  # [B, J, m]
+    q, p = (pose_layout(t, rows, m) for t in qp.unbind(0))  # [B, m, a, c] each
+    return triton_em_quad(q, p, x, w, pose_layout(shift, rows, m))  # [B, J, m]

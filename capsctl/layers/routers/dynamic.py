@@ -31,7 +31,8 @@ from capsctl.layers.algorithm import (
     RoutingAlgorithm,
 )
 from capsctl.layers.backend.dispatch import run_fused, takes_triton
-from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules, PrimaryCapsules
+from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules
+from capsctl.layers.primary import PrimaryCapsules
 
 
 def squash(s: Tensor, dim: int = -1) -> Tensor:

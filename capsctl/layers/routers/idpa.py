@@ -27,8 +27,9 @@ from capsctl.layers.algorithm import (
     RoutingTrace,
 )
 from capsctl.layers.backend.dispatch import autocast_dtype, choose
-from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules, PrimaryCapsules
+from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules
 from capsctl.layers.passes.rows_first import SIDE
+from capsctl.layers.primary import PrimaryCapsules
 
 
 @dataclass

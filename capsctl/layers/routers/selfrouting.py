@@ -45,9 +45,9 @@ from capsctl.layers.algorithm import (
     RoutingAlgorithm,
 )
 from capsctl.layers.baseline_capsules import BaselineCapsules
-from capsctl.layers.capsules import PrimaryCapsulesWithActivations
 from capsctl.layers.passes.gated import gate, gated_pass, parent_activations, routing_logits
 from capsctl.layers.poses import pose_shape
+from capsctl.layers.primary import PrimaryCapsulesWithActivations
 
 # Floor of the class activations before the log: an activation underflowing to 0 would give
 # an infinite logit and a NaN loss.

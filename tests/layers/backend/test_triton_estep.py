@@ -133,7 +133,7 @@ def test_em_routing_runs_its_e_step_as_kernels(monkeypatch: pytest.MonkeyPatch) 
     from capsctl.config import build_model
     from capsctl.layers.backend.triton import aot as gpu_aot
     from capsctl.layers.routers.em import windows
-    from capsctl.layers.routers.em.procedure import keeping_assignments
+    from capsctl.layers.routers.em.fused import keeping_assignments
 
     def no_torch_e_step(*args: object) -> None:
         raise AssertionError("the torch E-step ran where the Triton kernels run")

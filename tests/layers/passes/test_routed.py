@@ -184,7 +184,7 @@ def test_conv_layer_matches_naive(
 def test_primary_capsules_hand_back_a_gradient_in_their_inputs_layout() -> None:
     """The features go channels-last into the 1x1 convolution; their gradient must come back
     contiguous like them (an element-wise backward over two layouts is several times slower)."""
-    from capsctl.layers.capsules import PrimaryCapsules
+    from capsctl.layers.primary import PrimaryCapsules
 
     leaf = torch.randn(2, 8, 5, 5, requires_grad=True)
     feats = torch.relu(leaf)  # not a leaf: its gradient is what the backward pass produced

@@ -19,16 +19,16 @@ from capsctl.layers.backend.triton import em
 from capsctl.layers.backend.triton.ops import acc_dtype, kernel_meta, on_device
 from capsctl.layers.backend.triton.plan import LaunchPlan, launch_plan
 
-__all__ = ["triton_em_moments", "triton_em_quad"]
+__all__ = ["em_meta", "em_plan", "triton_em_moments", "triton_em_quad"]
 
 
-def _plan(x: Tensor, w: Tensor, tiling: list[int]) -> LaunchPlan:
+def em_plan(x: Tensor, w: Tensor, tiling: list[int]) -> LaunchPlan:
     """The launch shapes of kernels.py's passes (plan.py): EM's kernels tile alike."""
     j, bsz, a, xd = x.shape
     return launch_plan(j, bsz, w.shape[2], a, w.shape[3], xd, x.element_size(), *tiling)
 
 
-def _meta(x: Tensor, w: Tensor, plan: LaunchPlan, quad: bool, *numels: int) -> dict:
+def em_meta(x: Tensor, w: Tensor, plan: LaunchPlan, quad: bool, *numels: int) -> dict:
     """The constexprs every EM kernel takes (ops.kernel_meta's, the padded sizes, ``QUAD``)."""
     meta = kernel_meta(x, w.shape[2], x.shape[2], w.shape[3], plan, *numels) | plan.pads()
     return meta | {"QUAD": quad}
@@ -49,7 +49,7 @@ def _forward(
     m, c = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
     k, act, q, p, x, w, shift = (t.contiguous() for t in (k, act, q, p, x, w, shift))
-    plan = _plan(x, w, tiling)
+    plan = em_plan(x, w, tiling)
     if quad:
         o1 = x.new_empty(bsz, j, m, dtype=dt)  # [B, J, m], stored
         o2 = mass = o1  # not written
@@ -57,7 +57,7 @@ def _forward(
         o1 = x.new_empty(plan.spans, bsz, m, a, c, dtype=dt)  # [spans, B, m, a, c]
         o2 = torch.empty_like(o1)
         mass = x.new_empty(plan.spans, bsz, m, dtype=dt)  # [spans, B, m]
-    meta = _meta(x, w, plan, quad, o1.numel(), k.numel())
+    meta = em_meta(x, w, plan, quad, o1.numel(), k.numel())
     with on_device(x):
         em.em_forward[plan.grid(bsz)](
             x, w, shift, k, act, q, p, o1, o2, mass, j, bsz, plan.span, BB=plan.block, **meta,
@@ -87,7 +87,7 @@ def _backward(
     m, c = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
     k, act, g1, g2, gm, x, w, shift = (t.contiguous() for t in (k, act, g1, g2, gm, x, w, shift))
-    plan = _plan(x, w, tiling)
+    plan = em_plan(x, w, tiling)
     empty = x.new_zeros(1, dtype=dt)
     if not needs[0]:
         gk = gact = empty
@@ -99,7 +99,7 @@ def _backward(
         gact = x.new_empty(bsz, j, dtype=dt)  # dact [B, J], stored
     gx = x.new_empty(j, bsz, a, xd, dtype=dt) if needs[1] else empty  # [J, B, a, x]
     gw = x.new_empty(plan.w_spans, j, xd, m, c, dtype=dt) if needs[2] else empty
-    meta = _meta(x, w, plan, quad, gk.numel(), gw.numel(), k.numel())
+    meta = em_meta(x, w, plan, quad, gk.numel(), gw.numel(), k.numel())
     # dV = k (g1 + 2 U g2): k = r (times act) and g = (gS1, gS2) for the moments, k = gQ and
     # g = (q, p) for the quadratic form
     dv_args = (x, w, shift, k, act, g1, g2)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend.triton import em_estep
-from capsctl.layers.backend.triton.em_ops import _meta, _plan
+from capsctl.layers.backend.triton.em_ops import em_meta, em_plan
 from capsctl.layers.backend.triton.ops import acc_dtype, on_device
 
 __all__ = [
@@ -60,8 +60,8 @@ def triton_em_estep_stats(
     j, bsz = x.shape[:2]
     dt = acc_dtype(x)[0]
     zmax, esum = (x.new_empty(bsz, j, dtype=dt) for _ in range(2))  # [B, J] each
-    plan = _plan(x, w, tiling)
-    meta = {k: v for k, v in _meta(x, w, plan, False, zmax.numel()).items() if k != "QUAD"}
+    plan = em_plan(x, w, tiling)
+    meta = {k: v for k, v in em_meta(x, w, plan, False, zmax.numel()).items() if k != "QUAD"}
     with on_device(x):
         em_estep.em_estep_stats[plan.grid(bsz)](
             x, w, shift, q, p, c, zmax, esum, j, bsz, plan.span, BB=plan.block, **meta,
@@ -92,11 +92,11 @@ def triton_em_estep_moments(
     j, bsz, a, _ = x.shape
     m, cc = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
-    plan = _plan(x, w, tiling)
+    plan = em_plan(x, w, tiling)
     o1 = x.new_empty(plan.spans, bsz, m, a, cc, dtype=dt)  # [spans, B, m, a, c]
     o2 = torch.empty_like(o1)
     mass = x.new_empty(plan.spans, bsz, m, dtype=dt)  # [spans, B, m]
-    meta = {k: v for k, v in _meta(x, w, plan, False, o1.numel()).items() if k != "QUAD"}
+    meta = {k: v for k, v in em_meta(x, w, plan, False, o1.numel()).items() if k != "QUAD"}
     with on_device(x):
         em_estep.em_estep_moments[plan.grid(bsz)](
             x, w, shift, q, p, c, lse, act, o1, o2, mass, j, bsz, plan.span, BB=plan.block,
@@ -131,8 +131,8 @@ def triton_em_estep_rowdot(
     j, bsz = x.shape[:2]
     dt = acc_dtype(x)[0]
     t, dact = (x.new_empty(bsz, j, dtype=dt) for _ in range(2))  # [B, J] each
-    plan = _plan(x, w, tiling)
-    meta = {k: v for k, v in _meta(x, w, plan, False, t.numel()).items() if k != "QUAD"}
+    plan = em_plan(x, w, tiling)
+    meta = {k: v for k, v in em_meta(x, w, plan, False, t.numel()).items() if k != "QUAD"}
     with on_device(x):
         em_estep.em_estep_rowdot[plan.grid(bsz)](
             x, w, shift, q, p, c, lse, act, g1, g2, gm, t, dact, j, bsz, plan.span,
@@ -172,8 +172,8 @@ def triton_em_estep_grads(
     j, bsz, a, xd = x.shape
     m, cc = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
-    plan = _plan(x, w, tiling)
-    meta = {k: v for k, v in _meta(x, w, plan, False, x.numel(), w.numel()).items()}
+    plan = em_plan(x, w, tiling)
+    meta = {k: v for k, v in em_meta(x, w, plan, False, x.numel(), w.numel()).items()}
     meta.pop("QUAD")
     args = (x, w, shift, q, p, c, lse, act, g1, g2, gm, tc)
     # an unneeded gradient: an empty tensor of its own (a custom op's outputs may not alias)

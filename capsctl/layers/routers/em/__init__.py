@@ -26,14 +26,11 @@ from capsctl.layers.algorithm import (
     RoutingAlgorithm,
     RoutingTrace,
 )
-from capsctl.layers.capsules import PrimaryCapsulesWithActivations
 from capsctl.layers.poses import pose_shape
+from capsctl.layers.primary import PrimaryCapsulesWithActivations
+from capsctl.layers.routers.em.fused import keeping_assignments
 from capsctl.layers.routers.em.layer import EMLayer
-from capsctl.layers.routers.em.procedure import (
-    EM_FC_LAMBDA_FACTOR,
-    EM_FINAL_LAMBDA,
-    keeping_assignments,
-)
+from capsctl.layers.routers.em.procedure import EM_FC_LAMBDA_FACTOR, EM_FINAL_LAMBDA
 
 
 @dataclass

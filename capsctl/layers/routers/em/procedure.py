@@ -14,11 +14,8 @@ standardization, routing conv windows separately) are knobs, off by default.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +25,9 @@ from torch.utils.checkpoint import checkpoint
 
 from capsctl.layers.backend import em_mstep
 from capsctl.layers.backend.dispatch import choose, run_fused, takes_triton
-from capsctl.layers.passes.em_moments import _pose_layout, vote_moments, vote_quad, vote_shift
-from capsctl.layers.routers.em.windows import (
-    WindowGrid,
-    e_step,
-    softmax_over_parents,
-    triton_e_then_moments,
-)
+from capsctl.layers.passes.em_moments import vote_moments, vote_quad, vote_shift
+from capsctl.layers.routers.em.fused import e_then_moments, fuses_e_steps, uniform_moments
+from capsctl.layers.routers.em.windows import WindowGrid, e_step, softmax_over_parents
 
 # Constants of EM routing that the paper (Hinton, Sabour, Frosst, ICLR 2018) leaves open, from
 # the authors' published implementation (google-research/google-research, capsule_em/).
@@ -58,23 +51,6 @@ EM_INIT_STD = {"conv": 0.3, "fc": 0.01}
 # Only for the optional cost standardization (``standardize_costs``, not in the paper).
 EM_COST_EPS = 1e-6
 EM_ASSIGNMENTS = ("parents", "window")
-
-# Whether the chunked routing returns every iteration's assignments (a routing trace asks for
-# them): on a GPU the E-step is otherwise fused into the next M-step, which never stores them.
-_KEEP_ASSIGNMENTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "em_keep_assignments", default=False
-)
-
-
-@contextmanager
-def keeping_assignments(keep: bool = True) -> Iterator[None]:
-    """Within the block, :func:`em_routing_chunked` returns every iteration's assignments (in
-    this thread or context only)."""
-    token = _KEEP_ASSIGNMENTS.set(keep)
-    try:
-        yield
-    finally:
-        _KEEP_ASSIGNMENTS.reset(token)
 
 
 def em_inverse_temperature(final_lambda: float, t: int) -> float:
@@ -223,7 +199,8 @@ def em_routing_chunked(
 
     Where the Triton kernels run (a GPU), each E-step is fused into the next M-step's moments
     and the assignments of iterations after the first are never stored: ``rs`` then holds the
-    first iteration's only, unless :func:`keeping_assignments` asks for all of them.
+    first iteration's only, unless :func:`~capsctl.layers.routers.em.fused.keeping_assignments`
+    asks for all of them (capsctl/layers/routers/em/fused.py).
     """
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
@@ -234,7 +211,7 @@ def em_routing_chunked(
     shift = vote_shift(xs.view(bsz, j, rows, xd), wc, a_in, m)  # [B, d, m]
     # the assignments site-, child-, then parent-major (capsctl/layers/passes/em_moments.py)
     r = _first_assignment(xs, bsz, m, j, grid).transpose(1, 2)  # [B, J, m]
-    fuse = not _KEEP_ASSIGNMENTS.get() and takes_triton(x, wc)
+    fuse = fuses_e_steps(x, wc)
     e_operands: tuple[Tensor, Tensor] | None = None  # the last M-step's qp and c, when fused
     rs: list[Tensor] = []
     mus: list[Tensor] = []
@@ -244,11 +221,11 @@ def em_routing_chunked(
         if e_operands is None:
             rs.append(r.transpose(1, 2))  # [B, m, J]
             if fuse:  # the uniform assignments, never stored either
-                s, mass = _uniform_moments(r, a_in, x, wc, shift, grid)
+                s, mass = uniform_moments(r, a_in, x, wc, shift, grid)
             else:
                 s, mass = vote_moments(r, a_in, x, wc, shift)
         else:
-            s, mass = _e_then_moments(*e_operands, a_in, x, wc, shift, grid)
+            s, mass = e_then_moments(*e_operands, a_in, x, wc, shift, grid)
         mu, act, qp, c = _parent_step(
             s, mass, shift, beta_u, beta_a, final_lambda, t, standardize_costs
         )
@@ -260,85 +237,6 @@ def em_routing_chunked(
             else:
                 r = e_step(vote_quad(qp, x, wc, shift), c.transpose(1, 2), grid)  # [B, J, m]
     return mus[-1], acts[-1], rs, mus, acts
-
-
-def _e_then_moments(
-    qp: Tensor,
-    c: Tensor,
-    a_in: Tensor,
-    x: Tensor,
-    wc: Tensor,
-    shift: Tensor,
-    grid: WindowGrid | None,
-) -> tuple[Tensor, Tensor]:
-    """An E-step from the last M-step's ``qp[2, B, d, m]`` and ``c[B, 1, m]``, then the moments
-    of its assignments: ``S[2, B, d, m]`` and ``mass[B, m, 1]``, as :func:`vote_moments` of
-    :func:`e_step` of :func:`vote_quad`. Fused Triton kernels where they run (the assignments
-    never stored); those three where the kernels fail."""
-    fused = run_fused(
-        "em_estep_moments", functools.partial(_triton_e_then_moments, grid=grid),
-        qp, c, a_in, x, wc, shift,
-    )  # fmt: skip
-    if fused is not None:
-        return fused
-    r = e_step(vote_quad(qp, x, wc, shift), c, grid)  # [B, J, m]
-    return vote_moments(r, a_in, x, wc, shift)
-
-
-def _uniform_moments(
-    r: Tensor, a_in: Tensor, x: Tensor, wc: Tensor, shift: Tensor, grid: WindowGrid | None
-) -> tuple[Tensor, Tensor]:
-    """:func:`vote_moments` of the first M-step's uniform assignments ``r[B, J, m]`` (an
-    expanded ``1 / (m * windows)``) as the fused kernels of :func:`_e_then_moments`: the
-    E-step's operands zero and each child's normalizer ``lse = log(m * windows)`` given, so
-    that no assignment-sized tensor is read or written. :func:`vote_moments` where they fail."""
-    fused = run_fused(
-        "em_estep_moments", functools.partial(_triton_uniform_moments, grid=grid),
-        r, a_in, x, wc, shift,
-    )  # fmt: skip
-    if fused is not None:
-        return fused
-    return vote_moments(r, a_in, x, wc, shift)
-
-
-def _triton_uniform_moments(
-    r: Tensor,
-    a_in: Tensor,
-    x: Tensor,
-    wc: Tensor,
-    shift: Tensor,
-    *,
-    grid: WindowGrid | None,
-) -> tuple[Tensor, Tensor]:
-    bsz, m = a_in.shape[0], shift.shape[2]
-    qp = shift.new_zeros(2, *shift.shape)  # [2, B, d, m]
-    c = shift.new_zeros(bsz, 1, m)  # [B, 1, m]
-    lse = -torch.log(r[:, :, 0])  # [B, J]: R = exp(0 - lse) = 1 / (m * windows)
-    return _triton_e_then_moments(qp, c, a_in, x, wc, shift, grid=grid, lse=lse)
-
-
-def _triton_e_then_moments(
-    qp: Tensor,
-    c: Tensor,
-    a_in: Tensor,
-    x: Tensor,
-    wc: Tensor,
-    shift: Tensor,
-    *,
-    grid: WindowGrid | None,
-    lse: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """:func:`_e_then_moments` as the Triton kernels (their layouts in and out); ``lse``: each
-    child's normalizer, given (:func:`_uniform_moments`) or from the E-step's statistics."""
-    j, bsz, rows, xd = x.shape
-    m = shift.shape[2]
-    w = wc.view(j, xd, -1, m).transpose(2, 3)  # [J, x, c*m] -> [J, x, m, c]
-    q, p = (_pose_layout(t, rows, m) for t in qp.unbind(0))  # [B, m, a, c] each
-    cb = c.reshape(bsz, m)  # [B, 1, m] -> [B, m]
-    sh = _pose_layout(shift, rows, m)  # [B, m, a, c]
-    s1, s2, mass = triton_e_then_moments(q, p, cb, a_in, x, w, sh, grid, lse)
-    s = torch.stack((s1, s2)).permute(0, 1, 3, 4, 2)  # [2, B, m, a, c] -> [2, B, a, c, m]
-    return s.reshape(2, bsz, -1, m), mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]
 
 
 def _parent_step(
