@@ -58,3 +58,11 @@ class CheckpointError(CapsctlError):
 
 class DataError(CapsctlError):
     """A dataset is missing or malformed."""
+
+
+class DivergedError(CapsctlError):
+    """Training stopped at a non-finite loss: ``epoch`` and ``step`` (from 1) where it did."""
+
+    def __init__(self, message: str, *, epoch: int, step: int) -> None:
+        super().__init__(message)
+        self.epoch, self.step = epoch, step

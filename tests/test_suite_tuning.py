@@ -293,3 +293,77 @@ def test_suite_run_tunes_an_untuned_member_first_by_itself(
     chosen = chosen_lrs(load_suite(str(path)), [out])["idpa"]
     final = load_preset(str(out / "idpa" / "seed-0" / "preset.yaml"))
     assert final.train.lr == chosen and final.data.val_size == 0
+
+
+def _fake_diverged_run(root: Path, member: str, lr: float) -> None:
+    """A tuning run's folder as the tuner leaves it when the loss became non-finite."""
+    folder = root / tune_relpath(member, lr)
+    folder.mkdir(parents=True)
+    res = {"test": None, "seconds": 3.0, "epochs_done": 0, "history": []}
+    res["diverged"] = {"epoch": 1, "step": 7, "message": "loss became nan at epoch 1, step 7"}
+    (folder / "results.json").write_text(json.dumps(res))
+
+
+def test_a_diverged_run_is_a_tried_grid_point_worse_than_any_score(tmp_path: Path) -> None:
+    suite = load_suite(str(_suite_file(tmp_path, TUNE_BLOCK, TWO_MEMBERS)))
+    out, idpa = tmp_path / "out", suite.member("idpa")
+    _fake_tune_run(out, "idpa", 0.001, 0.60)
+    _fake_tune_run(out, "idpa", 0.002, 0.05)  # a poor score still beats a divergence
+    _fake_diverged_run(out, "idpa", 0.004)
+    # the best, 0.001, lies on the lower edge: the grid grows below it, not past the divergence
+    assert member_tuning(suite, idpa, [out]).todo == [0.0005]
+    _fake_tune_run(out, "idpa", 0.0005, 0.50)
+    state = member_tuning(suite, idpa, [out])
+    assert (state.chosen, state.on_edge, state.todo) == (0.001, False, [])
+    (diverged,) = [r for r in state.runs if r.diverged]
+    assert (diverged.lr, diverged.finished, diverged.val_accuracy) == (0.004, True, None)
+
+
+def test_suite_tune_records_a_diverging_run_and_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grid's larger rate diverges (as the CNN's 0.2 does in cifar10-fast): the command
+    records it in that run's results.json, trains the rest, chooses among the scores, and the
+    ledger keeps the diverged run beside the others."""
+    from capsctl.errors import DivergedError
+    from capsctl.suites import pair_run
+
+    real = pair_run.train_pair
+
+    def diverging(suite, pair, *args):  # type: ignore[no-untyped-def]
+        if pair.lr is not None and pair.lr > 0.005:
+            raise DivergedError("loss became nan at epoch 1, step 2; ...", epoch=1, step=2)
+        return real(suite, pair, *args)
+
+    monkeypatch.setattr(pair_run, "train_pair", diverging)
+    members = """\
+    members:
+      - name: idpa
+    """
+    tune = """\
+    tune:
+      val_size: 64
+      epochs: 1
+      factors: [0.5, 1, 4]
+    """
+    path = _suite_file(tmp_path, tune, members, [*TINY_SET, "train.steps_per_epoch=3"])
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, ["suite", "tune", str(path), "--out", str(out), "--json"])
+    assert code == 0, err
+    (member,) = json.loads(stdout)["members"]
+    assert member["grid"] == [0.001, 0.002, 0.008] and member["todo"] == []
+    runs = {r["lr"]: r for r in member["runs"]}
+    assert runs[0.008]["diverged"] and runs[0.008]["val_accuracy"] is None
+    assert member["chosen"] in (0.001, 0.002)
+    res = json.loads((out / tune_relpath("idpa", 0.008) / "results.json").read_text())
+    assert res["diverged"]["step"] == 2 and res["test"] is None
+    code, stdout, err = run_cli(capsys, ["suite", "tune", str(path), "--out", str(out), "--status"])
+    assert code == 0, err
+    assert "diverged" in stdout
+    ledger = tmp_path / "ledger"
+    code, said, err = run_cli(capsys, ["suite", "archive", str(out), "--to", str(ledger)])
+    assert code == 0, err
+    assert "idpa lr 0.008 (tuning): added" in said
+    assert json.loads((ledger / tune_relpath("idpa", 0.008) / "results.json").read_text())[
+        "diverged"
+    ]

@@ -7,7 +7,10 @@ training images held out (the same images for every learning rate: the split is 
 the seed) and no final test, so the test set is never touched while choosing. The run's score
 is its validation accuracy after its last epoch, the weights a final run keeps.
 
-The choice is the grid point with the best score (a tie goes to the smaller rate). While it lies
+A run whose loss becomes non-finite ends there; its folder's ``results.json`` then records
+``diverged`` (epoch and step) and no score, and the grid point counts as tried and worse than
+any score. The choice is the grid point with the best score (a tie goes to the smaller rate).
+While it lies
 on an edge of the grid, the grid grows past that edge by ``tune.step`` and the new point is
 trained, at most ``tune.extend`` times; a choice still on an edge after that is reported as
 such. Tuning runs are ordinary run folders: an interrupted one resumes, a finished one is
@@ -20,12 +23,14 @@ does not record before its runs, from the same folders.
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsctl.errors import CapsctlError, UsageError
+from capsctl.errors import CapsctlError, DivergedError, UsageError
 from capsctl.events import EventFn, emit
 from capsctl.suites.pairs import Pair, check_folder_is_pair, tune_relpath
 from capsctl.suites.run_files import read_json
@@ -36,6 +41,7 @@ __all__ = [
     "TuneResult",
     "TuneRun",
     "chosen_lrs",
+    "diverged",
     "member_tuning",
     "own_lr",
     "tune_finished",
@@ -55,12 +61,14 @@ class TuneRun:
     val_accuracy: float | None = None
     epochs: int | None = None
     seconds: float | None = None
+    diverged: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "lr": self.lr,
             "folder": self.folder,
             "finished": self.finished,
+            "diverged": self.diverged,
             "val_accuracy": self.val_accuracy,
             "epochs": self.epochs,
             "seconds": self.seconds,
@@ -142,14 +150,34 @@ def tuned_members(suite: Suite, only: Sequence[str] = ()) -> list[Member]:
 
 def tune_finished(results: dict[str, Any]) -> bool:
     """Whether a tuning run's ``results.json`` is a finished run's: not interrupted, with a
-    validation score after its last epoch."""
+    validation score after its last epoch, or ended by a non-finite loss (:func:`diverged`)."""
     history = results.get("history") or []
-    return (
-        bool(results)
-        and not results.get("interrupted")
-        and bool(history)
-        and isinstance(history[-1].get("val_accuracy"), (int, float))
-    )
+    scored = bool(history) and isinstance(history[-1].get("val_accuracy"), (int, float))
+    return bool(results) and not results.get("interrupted") and (scored or diverged(results))
+
+
+def diverged(results: dict[str, Any]) -> bool:
+    """Whether a tuning run's ``results.json`` records that its loss became non-finite."""
+    return isinstance(results.get("diverged"), dict)
+
+
+def _record_divergence(folder: Path, error: DivergedError, seconds: float) -> None:
+    """Write the ``results.json`` of a tuning run whose loss became non-finite: where
+    (``diverged``), the epochs it finished (from its ``metrics.jsonl``), no test."""
+    from capsctl.atomic import write_text_atomic
+    from capsctl.curves.history import read_history
+
+    folder.mkdir(parents=True, exist_ok=True)  # a run can end before it writes anything
+    history = read_history(folder) if (folder / "metrics.jsonl").is_file() else []
+    doc = {
+        "test": None,
+        "interrupted": False,
+        "epochs_done": len(history),
+        "seconds": seconds,
+        "history": history,
+        "diverged": {"epoch": error.epoch, "step": error.step, "message": str(error)},
+    }
+    write_text_atomic(folder / "results.json", json.dumps(doc, indent=2) + "\n")
 
 
 def _run(member: Member, lr: float, roots: Sequence[Path]) -> TuneRun:
@@ -158,6 +186,9 @@ def _run(member: Member, lr: float, roots: Sequence[Path]) -> TuneRun:
     folders = [root / tune_relpath(member.name, lr) for root in roots]
     for folder in folders:
         res = read_json(folder / "results.json")
+        if tune_finished(res) and diverged(res):
+            seconds = float(res.get("seconds", 0.0))
+            return TuneRun(lr, str(folder), True, None, None, seconds, diverged=True)
         if tune_finished(res):
             last = res["history"][-1]
             return TuneRun(
@@ -191,7 +222,8 @@ def member_tuning(suite: Suite, member: Member, roots: Sequence[Path]) -> Member
         if state.todo:
             return state
         runs = sorted(state.runs, key=lambda r: r.lr)
-        best = max(runs, key=lambda r: (r.val_accuracy or 0.0, -r.lr))
+        # a diverged run ranks below every score
+        best = max(runs, key=lambda r: (-1.0 if r.diverged else r.val_accuracy or 0.0, -r.lr))
         low, high = best.lr == runs[0].lr, best.lr == runs[-1].lr
         if not (low or high) or len(runs) == 1:
             state.chosen = best.lr
@@ -284,11 +316,16 @@ def tune_suite(
                 status="partial" if partial else "new",
                 folder=str(pair.folder),
             )
+            started = time.monotonic()
             try:
                 train_pair(suite, pair, partial, None, on_event, handle_sigint, data_dir)
             except FolderBusy:
                 emit(on_event, "suite_pair_busy", member=member.name, seed=pair.seed)
                 break
+            except DivergedError as e:  # a result of the grid point: recorded, then the next
+                _record_divergence(pair.folder, e, time.monotonic() - started)
+                emit(on_event, "suite_tune_diverged", member=member.name, lr=lr, message=str(e))
+                continue
             if not tune_finished(read_json(pair.folder / "results.json")):
                 raise CapsctlError(
                     f"{pair.folder}: the tuning run ended without a validation score; check "

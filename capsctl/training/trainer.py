@@ -34,7 +34,7 @@ from capsctl.checkpoint import (
 )
 from capsctl.config import Preset
 from capsctl.devices import autocast, flush_denormals, resolve_device
-from capsctl.errors import CapsctlError
+from capsctl.errors import DivergedError
 from capsctl.evaluation import EvalResult, evaluate
 from capsctl.events import EventFn, emit
 from capsctl.losses import count_correct
@@ -250,9 +250,11 @@ class Trainer(RunSetUp, RunEnd):
             if last.exists()
             else "no checkpoint was written yet"
         )
-        raise CapsctlError(
+        raise DivergedError(
             f"loss became {float(loss.detach())} at epoch {epoch + 1}, step {step + 1}; {kept}. "
-            "Lower train.lr or set train.grad_clip"
+            "Lower train.lr or set train.grad_clip",
+            epoch=epoch + 1,
+            step=step + 1,
         )
 
     def _save_mid_epoch(self, epoch: int, done: int, stats: EpochStats, piece: float) -> None:

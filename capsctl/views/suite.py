@@ -40,6 +40,11 @@ class SuiteProgress(TrainProgress):
             self.progress.console.print(
                 styled(("tune ", "bold"), f"{e['member']} at lr {e['lr']:.6g}: {what}")
             )
+        elif kind == "suite_tune_diverged" and not self.quiet:
+            self.progress.console.print(
+                f"  {e['member']} at lr {e['lr']:.6g}: diverged, recorded as worse than any "
+                f"score ({e['message']})"
+            )
         elif kind == "suite_pair_busy" and not self.quiet:
             self.progress.console.print(
                 f"  {e['member']} seed {e['seed']}: another process holds its folder; skipped"
@@ -174,7 +179,9 @@ def _print_tuning_summary(doc: dict[str, Any]) -> None:
     err.print(Text("lr v: chosen on a validation split (final validation top-1 % per lr):"))
     for t in doc["tuning"]:
         scores = ", ".join(
-            f"{r['lr']:.6g}: {_pct(r['val_accuracy'])}" for r in t["runs"] if r["finished"]
+            f"{r['lr']:.6g}: {'diverged' if r.get('diverged') else _pct(r['val_accuracy'])}"
+            for r in t["runs"]
+            if r["finished"]
         )
         if t.get("chosen") is None:
             what = f"still tuning ({len(t['todo'])} to train)"
@@ -210,7 +217,9 @@ def print_tuning(result: dict[str, Any]) -> None:
     for m in result["members"]:
         for run in m["runs"]:
             mark = "to train" if not run["finished"] else ""
-            if run["finished"] and run["lr"] == m["chosen"]:
+            if run.get("diverged"):
+                mark = "diverged"
+            elif run["finished"] and run["lr"] == m["chosen"]:
                 mark = "chosen"
             own = " (own)" if run["lr"] == m["own_lr"] else ""
             rows.append([m["member"], f"{run['lr']:.6g}{own}", _pct(run["val_accuracy"]), mark])
