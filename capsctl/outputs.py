@@ -264,8 +264,12 @@ def refuse_inside_runs(path: str | os.PathLike[str], kind: OutputKind) -> None:
 
 
 def _is_pair(run: Path, suite: Path) -> bool:
-    """Whether ``run`` is a pair's folder ``MEMBER/seed-N`` of the suite folder ``suite``."""
-    return run.name.startswith("seed-") and run.parent.parent == suite
+    """Whether ``run`` is a pair's folder ``MEMBER/seed-N`` of the suite folder ``suite``, or a
+    tuning run's ``tune/MEMBER/lr-LR``."""
+    if run.name.startswith("seed-") and run.parent.parent == suite:
+        return True
+    tuning = run.parent.parent
+    return run.name.startswith("lr-") and tuning.name == "tune" and tuning.parent == suite
 
 
 def _inside_message(path: Path, folder: Path, role: Role, marker: str, itself: bool) -> str:

@@ -146,6 +146,10 @@ def test_a_run_folder_is_told_by_its_files_and_a_suite_folder_by_its_runs(
     with pytest.raises(UsageError, match="inside the suite folder"):
         check_output(suite / "caps" / "x.csv", kind=outputs.RESULTS_CSV)
     check_output(suite / "caps" / "seed-1", kind=outputs.RUN)  # a suite's pair: its place
+    # a tuning run's place too, also once a final run exists (suite tune after suite run)
+    check_output(suite / "tune" / "caps" / "lr-0.1", kind=outputs.RUN)
+    with pytest.raises(UsageError, match="inside the suite folder"):
+        check_output(suite / "tune" / "caps" / "other", kind=outputs.RUN)
     with pytest.raises(UsageError, match="inside the suite folder"):
         check_output(suite / "caps" / "other", kind=outputs.RUN)
     check_output(suite, kind=outputs.SUITE)
