@@ -37,6 +37,7 @@ from capsctl.layers.backend.triton.tiles import (
     pose_rows,
     to_rows,
     vote_tile,
+    weight_block,
     widen,
 )
 
@@ -225,20 +226,6 @@ def em_estep_parent_grad(
 
 
 @triton.jit
-def _weight_block(j, m0, M: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
-                  I64: tl.constexpr, KP: tl.constexpr, MB: tl.constexpr,
-                  CP: tl.constexpr):  # fmt: skip
-    """Child ``j``'s weights of parents ``m0 + [0, MB)``: offsets ``[KP, N]`` into
-    ``W[J, x, m, c]`` (rows ``x``, columns ``(m, c)``) and their mask."""
-    kk = tl.arange(0, KP)
-    nn = tl.arange(0, MB * CP)
-    mm = m0 + nn // CP  # [N]: the column's parent
-    cc = nn % CP  # [N]: the column's pose column
-    wo = ((widen(j, I64) * XD + kk) * (M * C))[:, None] + (mm * C + cc)[None, :]  # [KP, N]
-    return wo, (kk < XD)[:, None] & ((mm < M) & (cc < C))[None, :]
-
-
-@triton.jit
 def _block_vote_grad(xt, wt, j, b0, b_end, m0, s_ptr, q_ptr, p_ptr, c_ptr, lse_ptr, act_ptr,
                      g1_ptr, g2_ptr, gm_ptr, tc_ptr, J, B, M: tl.constexpr, A: tl.constexpr,
                      C: tl.constexpr, ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
@@ -290,7 +277,7 @@ def em_estep_input_grad(
         # a loop, not unrolled: unrolled, each block's five parent-sized tiles were loaded
         # ahead and held (183 registers a thread on sm_90a, against 168 allowed)
         for m0 in range(0, MP, MB):
-            wo, wmask = _weight_block(j, m0, M, C, XD, I64, KP, MB, CP)
+            wo, wmask = weight_block(j, m0, M, C, XD, I64, KP, MB, CP)
             wt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # [KP, N]
             dvr = _block_vote_grad(xt, wt, j, b0, B, m0, s_ptr, q_ptr, p_ptr, c_ptr, lse_ptr,
                                    act_ptr, g1_ptr, g2_ptr, gm_ptr, tc_ptr, J, B, M, A, C, ACC,
@@ -313,7 +300,7 @@ def em_estep_weight_grad(
     m0 = tl.program_id(2) * MB
     b_lo = span * BN
     b_hi = tl.minimum(b_lo + BN, B)
-    wo, wmask = _weight_block(j, m0, M, C, XD, I64, KP, MB, CP)  # [KP, N]
+    wo, wmask = weight_block(j, m0, M, C, XD, I64, KP, MB, CP)  # [KP, N]
     wt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # the parents' weights [KP, N]
     gw = tl.zeros((KP, MB * CP), dtype=ACC)  # dW of the span, [x, (m, c)]
     for b0 in range(b_lo, b_hi, BB):

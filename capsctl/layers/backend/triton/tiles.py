@@ -36,6 +36,7 @@ __all__ = [
     "softmax_rows",
     "to_rows",
     "vote_tile",
+    "weight_block",
     "widen",
 ]
 
@@ -86,6 +87,19 @@ def pose_rows(j, b0, b_end, B, A: tl.constexpr, XD: tl.constexpr, I64: tl.conste
     kk = tl.arange(0, KP)
     offs = (((widen(j, I64) * B + bb) * A + aa) * XD)[:, None] + kk[None, :]  # [R, KP]
     return offs, ((bb < b_end) & (aa < A))[:, None] & (kk < XD)[None, :]
+
+
+@triton.jit
+def weight_block(j, m0, M: tl.constexpr, C: tl.constexpr, XD: tl.constexpr, I64: tl.constexpr,
+                 KP: tl.constexpr, MB: tl.constexpr, CP: tl.constexpr):  # fmt: skip
+    """Child ``j``'s weights of parents ``m0 + [0, MB)``: offsets ``[KP, N]`` into
+    ``W[J, x, m, c]`` (rows ``x``, columns ``(m, c)``) and their mask."""
+    kk = tl.arange(0, KP)
+    nn = tl.arange(0, MB * CP)
+    mm = m0 + nn // CP  # [N]: the column's parent
+    cc = nn % CP  # [N]: the column's pose column
+    wo = ((widen(j, I64) * XD + kk) * (M * C))[:, None] + (mm * C + cc)[None, :]  # [KP, N]
+    return wo, (kk < XD)[:, None] & ((mm < M) & (cc < C))[None, :]
 
 
 @triton.jit
