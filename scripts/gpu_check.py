@@ -437,7 +437,8 @@ KERNEL_TOLERANCE = 1e-4
 def interpreted_kernels() -> list[dict[str, Any]]:
     """Every fused Triton pass (routed, weighted, gated, EM's moments and quadratic form) and
     every kernel around them (dynamic routing's squash, EM's E-step on a conv layer's windows,
-    a whole EM routing with its M-step), forward and backward at small shapes, inside
+    a whole EM routing with its M-step, on an FC and a conv layer, the gradient of a conv
+    layer's window copy), forward and backward at small shapes, inside
     ``dispatch.use("triton")`` (the interpreter, on the CPU) and inside ``use("chunked")``: one
     row each with the backend that ran (``triton`` only where every kernel of the row ran
     without falling back) and the largest difference relative to the torch code's largest
@@ -489,13 +490,20 @@ _KERNEL_CASES: dict[str, Callable[[], list[torch.Tensor]]] = {
     "e_step": lambda: _kernel_inputs((4, 18, 3), (4, 1, 3)),
     # a whole EM routing, 3 iterations: xs[B, J, a*x], weights [J, x, m, c], activations
     "em_routing": lambda: _kernel_inputs((3, 4, 16), (4, 4, 2, 4), (3, 4)),
+    # the same on a conv layer's windows (1 image, 2 types on a 4x4 grid, 3x3 windows: 4 sites
+    # of 18 children), each child's assignments normalized over all its windows
+    "em_conv": lambda: _kernel_inputs((4, 18, 16), (18, 4, 2, 4), (4, 18)),
+    # a conv layer's window copy of poses [b, H, W, n, d] (its gradient gathered per child)
+    "windows": lambda: _kernel_inputs((1, 5, 5, 2, 16)),
 }
 # the kernels around the passes (dispatch.run_fused's names) each row must run
 _KERNELS_OF = {
     "gated": ("gate",),
     "squash": ("squash",),
-    "e_step": ("e_step",),
+    "e_step": ("e_step", "overlap_max", "overlap_sum"),
     "em_routing": ("m_step", "em_estep_moments"),
+    "em_conv": ("m_step", "em_estep_moments", "overlap_lse", "overlap_sum"),
+    "windows": ("overlap_sum",),
 }
 
 
@@ -511,6 +519,7 @@ def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         vote_moments,
         vote_quad,
         weighted_pass,
+        window_copy,
     )
 
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
@@ -536,10 +545,17 @@ def _pass_outputs(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         r = e_step(quad.abs() * 1.0, c, grid)  # quad is consumed: a fresh tensor
         # each child's R sums to 1: weigh them, or their sum's gradient would be 0
         outs = [r * torch.randn(r.shape, generator=torch.Generator().manual_seed(1))]
+    elif name == "windows":
+        win = window_copy(leaves[0], 3, 2)  # [B, J, d]
+        outs = [win * torch.randn(win.shape, generator=torch.Generator().manual_seed(2))]
     else:
         xs, w, act = leaves
         beta = torch.zeros(2)
-        outs = list(em_routing_chunked(xs, w * 0.3, act.sigmoid(), beta, beta, 3, 1.0, rows=4))[:2]
+        grid = WindowGrid.of(torch.zeros(1, 4, 4, 2), 3, 1) if name == "em_conv" else None
+        outs = em_routing_chunked(
+            xs, w * 0.3, act.sigmoid(), beta, beta, 3, 1.0, rows=4, grid=grid
+        )[:2]  # fmt: skip
+        outs = list(outs)
     grads = torch.autograd.grad(sum(o.sum() for o in outs), leaves, allow_unused=True)
     return [*(o.detach() for o in outs), *(g for g in grads if g is not None)]
 

@@ -144,10 +144,12 @@ def _e_step_launches() -> list[gpu_aot.Launch]:
 
 
 def test_the_cost_model_of_the_e_step_worked_out_by_hand() -> None:
-    stats, apply, rowdot, backward = _e_step_launches()
-    assert [x.kernel for x in (stats, apply, rowdot, backward)] == [
-        "estep_forward", "estep_forward", "estep_rowdot", "estep_backward"
+    launches = _e_step_launches()
+    assert [x.kernel for x in launches] == [
+        "estep_forward", "overlap_reduce", "overlap_reduce", "estep_forward", "estep_rowdot",
+        "overlap_reduce", "estep_backward",
     ]  # fmt: skip
+    stats, top, total, apply, rowdot, _, backward = launches
     assert gpu_aot.describe(stats) == {"pass": "e_step", "direction": "forward"}
     assert gpu_aot.describe(backward) == {"pass": "e_step", "direction": "backward"}
     # 8 * 18 = 144 rows of 4: quad 576 floats, c 32; the statistics' max and sum 144 each
@@ -159,6 +161,12 @@ def test_the_cost_model_of_the_e_step_worked_out_by_hand() -> None:
     assert gpu_aot.launch_cost(rowdot) == {"bytes": 5184, "flops": 1152, "dtype": "float32"}
     # backward: R, G, t, d quad, dc (8 x 4): 576 * 3 + 144 + 32 = 1904 floats; 5 an entry
     assert gpu_aot.launch_cost(backward) == {"bytes": 7616, "flops": 2880, "dtype": "float32"}
+    # each child's max over its windows (overlap.py), one kernel: [B, J] in and out, 144
+    # floats each, 1152 bytes; 2 * 4 * 4 * 2 = 64 children, 9 offsets gathered: 576 FLOPs (an
+    # upper bound: edge children fall in fewer windows)
+    assert gpu_aot.launch_cost(top) == {"bytes": 1152, "flops": 576, "dtype": "float32"}
+    assert [dict(x.constexprs)["MAX"] for x in (top, total)] == [True, False]
+    assert gpu_aot.describe(top) == {"pass": "overlap", "direction": "forward"}
 
 
 def test_the_cost_model_of_the_fused_e_step_and_moments_worked_out_by_hand() -> None:
@@ -170,8 +178,8 @@ def test_the_cost_model_of_the_fused_e_step_and_moments_worked_out_by_hand() -> 
     c, act = torch.rand(3, 3, requires_grad=True), torch.rand(3, 5, requires_grad=True)
     x, w = torch.rand(5, 3, 4, 4, requires_grad=True), torch.rand(5, 4, 3, 4, requires_grad=True)
     with gpu_aot.capturing() as launches:
-        s1, s2, mass = triton_e_then_moments(q, p, c, act, x, w, shift.detach(), None)
-        (s1.sum() + s2.sum() + mass.sum()).backward()
+        s, mass = triton_e_then_moments(q, p, c, act, x, w, shift.detach(), None)
+        (s.sum() + mass.sum()).backward()
     kernels = [launch.kernel for launch in launches]
     assert kernels == [
         "em_estep_stats", "em_estep_moments", "em_estep_rowdot", "em_estep_parent_grad",

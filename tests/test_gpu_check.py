@@ -123,7 +123,8 @@ def test_a_dry_run_of_every_part_writes_each_part_file_and_the_summary(tmp_path:
     # every Triton kernel runs, under the interpreter, against the torch code
     kernels = docs["check"]["kernels"]
     assert [k["pass"] for k in kernels] == [
-        "routed", "weighted", "gated", "em_moments", "em_quad", "squash", "e_step", "em_routing"
+        "routed", "weighted", "gated", "em_moments", "em_quad", "squash", "e_step", "em_routing",
+        "em_conv", "windows",
     ]  # fmt: skip
     assert all(k["ok"] and k["ran"] == "triton" for k in kernels), kernels
 

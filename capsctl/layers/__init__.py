@@ -21,7 +21,7 @@ and threads), :func:`routing_flop_tally` (FLOP counts), and the vote-sized passe
 backend dispatch chooses (:func:`routed_pass`, :func:`weighted_pass`, :func:`gated_pass`,
 :func:`vote_moments`, :func:`vote_quad`) and the steps around them that are kernels of their
 own on a GPU (dynamic routing's :func:`squash`, EM's :func:`e_step` over a conv layer's
-:class:`WindowGrid`, a whole :func:`em_routing_chunked`).
+:class:`WindowGrid`, a whole :func:`em_routing_chunked`, a conv layer's :func:`window_copy`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from capsctl.layers.capsules import CapsuleLayer, ConvCapsules, FCCapsules
 from capsctl.layers.passes.em_moments import vote_moments, vote_quad
 from capsctl.layers.passes.flops import routing_flop_tally
 from capsctl.layers.passes.gated import gated_pass
-from capsctl.layers.passes.layout import images_channels_last
+from capsctl.layers.passes.layout import images_channels_last, window_copy
 from capsctl.layers.passes.routed import routed_pass
 from capsctl.layers.passes.weighted import weighted_pass
 from capsctl.layers.poses import PoseKind, pose_shape
@@ -89,4 +89,5 @@ __all__ = [
     "vote_moments",
     "vote_quad",
     "weighted_pass",
+    "window_copy",
 ]

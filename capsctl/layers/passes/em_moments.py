@@ -72,8 +72,10 @@ def vote_shift(xs: Tensor, wc: Tensor, a_in: Tensor, m: int) -> Tensor:
     bsz, j, a, xd = xs.shape
     cm = wc.shape[2]
     with torch.no_grad():
-        xa = (xs * a_in[:, :, None, None]).permute(0, 2, 1, 3)  # [B, a, J, x]
-        s = xa.reshape(bsz * a, j * xd) @ wc.reshape(j * xd, cm)  # [B*a, c*m]
+        # a x, written straight into the product's layout (one pass, no permuted copy)
+        xa = xs.new_empty(bsz, a, j, xd, dtype=torch.result_type(xs, a_in))  # [B, a, J, x]
+        torch.mul(xs.permute(0, 2, 1, 3), a_in[:, None, :, None], out=xa)  # [B, a, J, x]
+        s = xa.view(bsz * a, j * xd) @ wc.reshape(j * xd, cm)  # [B*a, c*m]
         s = s / (a_in.sum(1) + 1e-12).repeat_interleave(a).unsqueeze(1)  # [B*a, c*m]
         return s.view(bsz, -1, m)  # [B, d, m]
 

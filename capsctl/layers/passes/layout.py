@@ -14,18 +14,21 @@ position) are one copy of ``unfold`` views. Autograd's backward of ``unfold`` is
 scatter: on the 2-core reference machine 31 ms for the windows of ``cifar10-caps-simple``'s
 first conv capsule layer at batch 32 (``[32, 15, 15, 32, 16]`` children, 288 x 1568 windows).
 :func:`window_copy` adds the gradient back one kernel offset at a time instead, ``k*k`` strided
-additions of a grid-sized slice: 4.5 ms for the same windows.
+additions of a grid-sized slice: 4.5 ms for the same windows. Where the Triton kernels run
+(a GPU), one kernel gathers each child's entries instead (capsctl/layers/backend/triton/
+overlap.py): one launch, not ``k*k``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from capsctl.layers.backend.dispatch import tracing
+from capsctl.layers.backend.dispatch import run_fused, takes_triton, tracing
 
 __all__ = ["images_channels_last", "permute_rows", "to_channels_last", "window_copy"]
 
@@ -87,6 +90,12 @@ def _windows(t: Tensor, kernel: int, stride: int, child_major: bool) -> Tensor:
     return win.reshape(b * h * w, -1, *t.shape[4:])  # [B, J, *e]
 
 
+def _triton_fold(grad: Tensor, *, geometry: list[int], child_major: bool) -> Tensor:
+    from capsctl.layers.backend.triton.overlap_ops import triton_overlap_reduce
+
+    return triton_overlap_reduce(grad, geometry, child_major, True, False)
+
+
 class _WindowCopy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor, kernel: int, stride: int, child_major: bool) -> Tensor:  # type: ignore[override]
@@ -98,6 +107,13 @@ class _WindowCopy(torch.autograd.Function):
         b, hh, ww, n = ctx.shape[:4]
         e, k, s = tuple(ctx.shape[4:]), ctx.kernel, ctx.stride
         h, w = (hh - k) // s + 1, (ww - k) // s + 1
+        if takes_triton(grad):  # one gathering kernel instead of k*k launches
+            call = functools.partial(
+                _triton_fold, geometry=[b, hh, ww, n, h, w, k, s], child_major=ctx.child_major
+            )
+            folded = run_fused("overlap_sum", call, grad)
+            if folded is not None:
+                return folded, None, None, None
         if ctx.child_major:  # [J, B, *e] -> [k, l, n, b, h, w, *e] -> [b, h, w, k, l, n, *e]
             g = grad.reshape(k, k, n, b, h, w, *e).permute(3, 4, 5, 0, 1, 2, *range(6, 6 + len(e)))
         else:  # [B, J, *e] -> [b, h, w, k, l, n, *e]

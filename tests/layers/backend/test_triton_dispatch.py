@@ -29,17 +29,20 @@ SMALL = {
 }
 # the fused ops each routing algorithm's training step must call, as module.op: each EM
 # M-step takes its assignments through the fused E-step and moments (the first, uniform ones
-# without the statistics)
+# without the statistics), and the conv layers' window copies take their gradients through
+# the overlap kernel (EM's E-step its normalizers and window sums too)
 OPS = {
-    "idpa": ("ops.triton_routed",),
-    "dynamic": ("ops.triton_routed",),
+    "idpa": ("ops.triton_routed", "overlap_ops.triton_overlap_reduce"),
+    "dynamic": ("ops.triton_routed", "overlap_ops.triton_overlap_reduce"),
     "em": (
         "estep_moments_ops.triton_em_estep_stats",
         "estep_moments_ops.triton_em_estep_moments",
         "estep_moments_ops.triton_em_estep_rowdot",
         "estep_moments_ops.triton_em_estep_grads",
+        "overlap_ops.triton_overlap_lse",
+        "overlap_ops.triton_overlap_reduce",
     ),
-    "self": ("ops.triton_weighted",),
+    "self": ("ops.triton_weighted", "overlap_ops.triton_overlap_reduce"),
 }
 
 

@@ -67,6 +67,11 @@ def equations(q, p, c, act, x, w, shift, grid):  # type: ignore[no-untyped-def]
     return s1, s2, k.sum(1)  # ..., [B, m]
 
 
+def _moments(out: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``(S[2, B, m, a, c], mass)`` -> ``(S1, S2, mass)``."""
+    return (*out[0].unbind(0), out[1])
+
+
 def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.clone().requires_grad_() for t in ts]
 
@@ -81,7 +86,7 @@ def test_fused_e_step_and_moments_match_the_equations_in_float64(shape) -> None:
     *ins, shift = _inputs(shape)
     grid = shape[6]
     got_in, ref_in = _leaves(*ins), _leaves(*ins)
-    out = triton_e_then_moments(*got_in, shift, grid)
+    out = _moments(triton_e_then_moments(*got_in, shift, grid))
     want = equations(*ref_in, shift, grid)
     for got, ref in zip(out, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
@@ -97,7 +102,7 @@ def test_fused_e_step_and_moments_in_float32_stay_within_their_tolerance() -> No
     *ins, shift = _inputs(shape, seed=4)
     grid = shape[6]
     got_in = _leaves(*(t.float() for t in ins))
-    out = triton_e_then_moments(*got_in, shift.float(), grid)
+    out = _moments(triton_e_then_moments(*got_in, shift.float(), grid))
     ref_in = _leaves(*ins)
     want = equations(*ref_in, shift, grid)
     tol = {"rtol": 1e-4, "atol": 1e-5}
@@ -121,7 +126,7 @@ def test_the_first_m_steps_uniform_assignments_through_the_fused_kernels(shape) 
     lse = torch.log(m * windows)  # [B, J]
     zeros = torch.zeros(bsz, m, shape[2], shape[5], dtype=F64)
     got_in, ref_in = _leaves(act, x, w), _leaves(act, x, w)
-    out = triton_e_then_moments(zeros, zeros, zeros[..., 0, 0], *got_in, shift, grid, lse)
+    out = _moments(triton_e_then_moments(zeros, zeros, zeros[..., 0, 0], *got_in, shift, grid, lse))
     r = (1.0 / (m * windows))[:, :, None].expand(bsz, j, m)  # [B, J, m]
     u = torch.einsum("jbax,jxmc->bjmac", ref_in[1], ref_in[2]) - shift[:, None]
     k = r * ref_in[0][:, :, None]  # [B, J, m]
@@ -144,7 +149,7 @@ def test_fused_e_step_and_moments_pass_gradcheck_and_opcheck() -> None:
     grid = WindowGrid.of(torch.zeros(1, 3, 3, 2), 2, 1)
     *ins, shift = _inputs((8, 4, 2, 2, 2, 2, grid), seed=3)
     assert torch.autograd.gradcheck(
-        lambda *t: triton_e_then_moments(*t, shift, grid), _leaves(*ins), fast_mode=True
+        lambda *t: _moments(triton_e_then_moments(*t, shift, grid)), _leaves(*ins), fast_mode=True
     )
     q, p, c, act, x, w, shift = _inputs(SHAPES["fc-matrix"], dtype=torch.float32)
     ops = torch.ops.capsctl

@@ -96,6 +96,38 @@ def test_the_m_step_gradients_match_the_torch_code(name: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("used", [(0,), (1,), (2, 3), (0, 3)], ids=str)
+def test_outputs_without_a_gradient_are_neither_materialized_nor_read(
+    used: tuple[int, ...],
+) -> None:
+    """An M-step whose ``mu`` and ``act`` only the last iteration uses, and whose ``qp`` and
+    ``c`` the last does not: the outputs left out get no zero tensor (the kernel takes flags
+    instead), and the gradients equal the torch code's."""
+    from capsctl.layers.backend.triton import aot as gpu_aot
+
+    _, _, moments, mass, shift, beta_u, beta_a = _case(SHAPES["matrix"])
+    ins = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
+    ref = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
+    got = triton_m_step(ins[0], ins[1], shift, ins[2], ins[3], 0.37, EPS, VAR_EPS)
+    want = procedure._m_step(ref[0], ref[1], shift.transpose(1, 2), ref[2], ref[3],
+                             final_lambda=0.37 / 0.05, t=0, standardize=False)  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    outs = [torch.randn(got[i].shape, generator=g, dtype=F64) for i in used]
+    # (mu alone does not depend on beta_a: its gradient is zero, None in the torch code)
+    got_grads = torch.autograd.grad([got[i] for i in used], ins, outs, materialize_grads=True)
+    want_grads = torch.autograd.grad([want[i] for i in used], ref, outs, materialize_grads=True)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    with gpu_aot.capturing() as launches:
+        s = moments.float().requires_grad_()
+        outs32 = triton_m_step(s, mass.float(), shift.float(), beta_u.float(), beta_a.float(),
+                               0.37, EPS, VAR_EPS)  # fmt: skip
+        sum(outs32[i].sum() for i in used).backward()
+    flags = dict(next(x for x in launches if x.kernel == "m_step_backward").constexprs)
+    given = [flags[k] for k in ("G_MU", "G_ACT", "G_QP", "G_C")]
+    assert given == [i in used for i in range(4)]
+
+
 def test_the_m_step_passes_gradcheck_and_opcheck() -> None:
     _, _, moments, mass, shift, beta_u, beta_a = _case(SHAPES["vector-1"])
     ins = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
@@ -106,6 +138,10 @@ def test_the_m_step_passes_gradcheck_and_opcheck() -> None:
     assert torch.autograd.gradcheck(step, ins)
     f32 = [t.float() for t in (moments, mass[:, :, 0], shift, beta_u, beta_a)]
     torch.library.opcheck(torch.ops.capsctl.triton_m_step.default, (*f32, [0.5, EPS, VAR_EPS]))
+    s = f32[0]
+    grads = (torch.randn(s.shape[1:]), None, torch.randn(s.shape), None)  # mu, act, qp, c
+    args = (*f32, [0.5, EPS, VAR_EPS], *grads)
+    torch.library.opcheck(torch.ops.capsctl.triton_m_step_backward.default, args)
 
 
 def test_em_routing_runs_its_m_step_as_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

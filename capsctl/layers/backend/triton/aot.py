@@ -99,6 +99,7 @@ KERNEL_NAMES = {
     "squash": ("squash_forward", "squash_backward"),
     "estep": ("estep_forward", "estep_rowdot", "estep_backward"),
     "mstep": ("m_step_forward", "m_step_backward"),
+    "overlap": ("overlap_reduce", "overlap_lse"),
 }
 # launch options a variant is compiled with (the rest of a launch's keywords are arguments)
 _OPTIONS = ("num_warps", "num_stages")
@@ -264,6 +265,8 @@ def capturing() -> Iterator[list[Launch]]:
         mstep,
         mstep_ops,
         ops,
+        overlap,
+        overlap_ops,
         squash,
         squash_ops,
     )
@@ -272,6 +275,7 @@ def capturing() -> Iterator[list[Launch]]:
     modules = {"kernels": kernels, "em": em, "gate": gate, "squash": squash, "estep": estep}
     modules["mstep"] = mstep
     modules["em_estep"] = em_estep
+    modules["overlap"] = overlap
     # the launches a GPU gets: not the interpreter's (ops.kernel_meta widens 16-bit products
     # for it)
     items = [(dispatch, "triton_status", lambda device: ""), (ops, "interpreted", lambda: False)]

@@ -148,7 +148,16 @@ def spills(log: str) -> dict[str, int | None]:
 
 
 def _kernel(name: str) -> Any:
-    from capsctl.layers.backend.triton import em, em_estep, estep, gate, kernels, mstep, squash
+    from capsctl.layers.backend.triton import (
+        em,
+        em_estep,
+        estep,
+        gate,
+        kernels,
+        mstep,
+        overlap,
+        squash,
+    )
 
     table = {"pass_forward": kernels.pass_forward, "pass_backward": kernels.pass_backward}
     table |= {"pass_weight_grad": kernels.pass_weight_grad}
@@ -161,6 +170,7 @@ def _kernel(name: str) -> Any:
     table |= {"estep_backward": estep.estep_backward}
     table |= {"m_step_forward": mstep.m_step_forward, "m_step_backward": mstep.m_step_backward}
     table |= {name: getattr(em_estep, name) for name in em_estep.__all__}
+    table |= {name: getattr(overlap, name) for name in overlap.__all__}
     return table[name]
 
 

@@ -42,7 +42,9 @@ assignment entry of ``R`` rows of ``m``: forward 4 (``z``, the max or the shift,
 and the sum or the division), ``sum R G`` 2, backward 5 (``R (G - t)``, ``-dz / 2``, ``dc``).
 EM's M-step rest (mstep.py), per parent pose entry ``(b, j, h)``: about 20 forward (moments,
 variance, its logarithm and inverse, costs, ``qp``, ``c``) and 60 backward (that again and
-the gradients); elementwise work, far below the bytes' time.
+the gradients); elementwise work, far below the bytes' time. The reductions over a conv
+child's windows (overlap.py): 1 per entry gathered (``CHILDREN K^2 E``, an upper bound: edge
+children fall in fewer windows), 4 for the log-sum-exp; far below the bytes' time too.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ NO_PRODUCTS = (
     "estep_backward",
     "m_step_forward",
     "m_step_backward",
+    "overlap_reduce",
+    "overlap_lse",
 )
 #: What every variant must keep on sm_90a (:func:`broken_budgets`).
 BUDGETS = {
@@ -139,6 +143,8 @@ def launch_dims(launch: Any) -> tuple[str, ...]:
         return ("J", "M")
     if launch.kernel.startswith("m_step_"):
         return ("B", "M", "D")
+    if launch.kernel.startswith("overlap_"):
+        return ("CHILDREN", "N", "K", "S")
     return ("J", "B", "M", "A", "C", "XD")
 
 
@@ -155,6 +161,9 @@ def _flops(kernel: str, f: dict[str, Any], grid: tuple[int, ...]) -> int:
     if kernel.startswith("m_step_"):
         per = 20 if kernel == "m_step_forward" else 60
         return per * int(f["B"]) * int(f["M"]) * int(f["D"])
+    if kernel.startswith("overlap_"):  # per gathered entry: a sum or max; lse 4
+        gathered = int(f["CHILDREN"]) * int(f["K"]) ** 2 * int(f.get("E", 1))
+        return gathered * (4 if kernel == "overlap_lse" else 1)
     j, b, m = int(f["J"]), int(f["B"]), int(f["M"])
     if kernel.startswith("gate_"):
         d = int(f["D"])
@@ -173,7 +182,7 @@ def launch_cost(launch: Any) -> dict[str, Any]:
     seen: dict[int, int] = {}
     dtype = "float32"
     names = [t[0] for t in launch.tensors]
-    poses = ("x_ptr", "w_ptr", "wr_ptr", "s_ptr", "q_ptr", "r_ptr")
+    poses = ("x_ptr", "w_ptr", "wr_ptr", "s_ptr", "q_ptr", "r_ptr", "src_ptr", "zmax_ptr")
     pose = next(n for n in poses if n in names)
     for name, shape, dt, ident in launch.tensors:
         numel = 1

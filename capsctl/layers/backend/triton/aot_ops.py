@@ -11,8 +11,9 @@ pass, such as the sum of its spans, are seen and the kernels are not). Each oper
 - ``flops``: torch's own formulas (``torch.utils.flop_counter``: matrix products and
   convolutions, forward and backward); 0 for every other operator;
 - ``bytes``: every tensor it reads or writes once (inputs and outputs), as a GPU kernel must at
-  least; views and allocations (no data moves) are left out, and a fill shaped after another
-  tensor (``new_zeros``, ``zeros_like``, ...) writes its output without reading that tensor;
+  least; views and allocations (no data moves) are left out, a fill shaped after another
+  tensor (``new_zeros``, ``zeros_like``, ...) writes its output without reading that tensor,
+  and an ``out=`` tensor counts once, as the result;
 - ``product``: a matrix product or convolution (tensor cores on a GPU), and ``dtype``, the
   element type of its first floating-point input.
 
@@ -64,7 +65,8 @@ def _cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost | None:
     name = func.__name__.split(".")[0]
     if func.namespace != "aten" or func.is_view or name in _ALLOCATIONS + _UNTAGGED_VIEWS:
         return None
-    ins, outs = _tensors((args, kwargs)), _tensors(out)
+    # an ``out=`` tensor is the result, written once: not read as an input too
+    ins, outs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"})), _tensors(out)
     if name in _FILLS_LIKE:
         ins = []  # the input gives the shape and dtype only
     nbytes = sum(t.numel() * t.element_size() for t in ins + outs)

@@ -71,10 +71,12 @@ def group_variants(captures: Sequence[tuple[dict[str, Any], Sequence[Any]]]) -> 
 
 def describe(launch: Any) -> dict[str, str]:
     """The capsctl pass and direction a launch belongs to: ``{"pass": routed | weighted |
-    em_moments | em_quad | em_estep_moments | gate | squash | e_step | m_step,
+    em_moments | em_quad | em_estep_moments | gate | squash | e_step | m_step | overlap,
     "direction": forward | backward}``."""
     family, direction = _KERNELS[launch.kernel]
     flags = dict(launch.constexprs)
+    if launch.kernel == "overlap_reduce" and flags.get("TO_GRID"):
+        direction = "backward"  # the window copy's gradient (else a sum or max over windows)
     name = {
         "pass": "routed" if flags.get("ROUTED") else "weighted",
         "em": "em_quad" if flags.get("QUAD") else "em_moments",
@@ -83,6 +85,7 @@ def describe(launch: Any) -> dict[str, str]:
         "squash": "squash",
         "estep": "e_step",
         "mstep": "m_step",
+        "overlap": "overlap",
     }[family]
     return {"pass": name, "direction": direction}
 
@@ -113,6 +116,8 @@ _KERNELS = {
     "estep_backward": ("estep", "backward"),
     "m_step_forward": ("mstep", "forward"),
     "m_step_backward": ("mstep", "backward"),
+    "overlap_reduce": ("overlap", "forward"),
+    "overlap_lse": ("overlap", "forward"),
 }
 
 

@@ -5,7 +5,8 @@ layer's window sums. The assignments ``R[B, J, m]`` are never stored: every kern
 again from the votes, the E-step's operands and the child's normalizer ``lse[B, J]``.
 
 - ``capsctl::triton_em_estep_stats(q, p, c, x, w, shift) -> (zmax, esum)``, ``[B, J]`` each;
-- ``capsctl::triton_em_estep_moments(q, p, c, lse, act, x, w, shift) -> (S1, S2, mass)``;
+- ``capsctl::triton_em_estep_moments(q, p, c, lse, act, x, w, shift) -> (S, mass)``, ``S[2,
+  B, m, a, c]`` holding ``S1, S2``;
 - ``capsctl::triton_em_estep_rowdot(..., gS1, gS2, gmass) -> (T, dact)``, ``[B, J]`` each;
 - ``capsctl::triton_em_estep_grads(..., gS1, gS2, gmass, Tc, needs) -> (dq, dp, dc, dx, dw)``.
 
@@ -86,15 +87,17 @@ def triton_em_estep_moments(
     w: Tensor,
     shift: Tensor,
     tiling: list[int],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``S1, S2[B, m, a, c] = sum_J k U, k U^2`` and ``mass[B, m] = sum_J k``, ``k = R act``."""
+) -> tuple[Tensor, Tensor]:
+    """``S[2, B, m, a, c] = sum_J (k U, k U^2)`` and ``mass[B, m] = sum_J k``, ``k = R act``:
+    one tensor for both moments, so that one sum adds the spans' partials up and the M-step's
+    layout is one copy away."""
     q, p, c, lse, act, x, w, shift = _ready(q, p, c, lse, act, x, w, shift)
     j, bsz, a, _ = x.shape
     m, cc = w.shape[2], w.shape[3]
     dt = acc_dtype(x)[0]
     plan = em_plan(x, w, tiling)
-    o1 = x.new_empty(plan.spans, bsz, m, a, cc, dtype=dt)  # [spans, B, m, a, c]
-    o2 = torch.empty_like(o1)
+    o = x.new_empty(2, plan.spans, bsz, m, a, cc, dtype=dt)  # [2, spans, B, m, a, c]
+    o1, o2 = o.unbind(0)  # the kernel's [spans, B, m, a, c] each
     mass = x.new_empty(plan.spans, bsz, m, dtype=dt)  # [spans, B, m]
     meta = {k: v for k, v in em_meta(x, w, plan, False, o1.numel()).items() if k != "QUAD"}
     with on_device(x):
@@ -102,12 +105,13 @@ def triton_em_estep_moments(
             x, w, shift, q, p, c, lse, act, o1, o2, mass, j, bsz, plan.span, BB=plan.block,
             **meta, num_warps=plan.warps, num_stages=plan.stages,
         )  # fmt: skip
-    return tuple(_span_sum(t).to(x.dtype) for t in (o1, o2, mass))  # type: ignore[return-value]
+    s = o[:, 0] if o.shape[1] == 1 else o.sum(1)  # [2, B, m, a, c]
+    return s.to(x.dtype), _span_sum(mass).to(x.dtype)
 
 
 @triton_em_estep_moments.register_fake
 def _(q, p, c, lse, act, x, w, shift, tiling):  # type: ignore[no-untyped-def]
-    return torch.empty_like(shift), torch.empty_like(shift), c.new_empty(c.shape)
+    return shift.new_empty(2, *shift.shape), c.new_empty(c.shape)
 
 
 @torch.library.custom_op("capsctl::triton_em_estep_rowdot", mutates_args=())

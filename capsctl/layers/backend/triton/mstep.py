@@ -103,15 +103,25 @@ def m_step_forward(
 
 
 @triton.jit
+def _given(ptrs, mask, PRESENT: tl.constexpr, ACC: tl.constexpr):
+    """The gradient at ``ptrs`` where the output has one, else zeros (nothing read)."""
+    if PRESENT:
+        return tl.load(ptrs, mask=mask, other=0.0).to(ACC)
+    return tl.zeros(mask.shape, ACC)
+
+
+@triton.jit
 def m_step_backward(
     s_ptr, mass_ptr, sh_ptr, bu_ptr, ba_ptr, gmu_ptr, gact_ptr, gqp_ptr, gc_ptr,
     gs_ptr, gmass_ptr, gb_ptr, B, lam, eps, veps,
     M: tl.constexpr, D: tl.constexpr, ACC: tl.constexpr, I64: tl.constexpr,
-    BB: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr,
+    BB: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, G_MU: tl.constexpr,
+    G_ACT: tl.constexpr, G_QP: tl.constexpr, G_C: tl.constexpr,
 ):  # fmt: skip
     """From the gradients of ``mu``, ``act``, ``qp`` and ``c``: those of ``S`` (``gs_ptr``,
     ``[2, B, d, m]``) and ``M`` (``gmass_ptr``, ``[B, m]``), and the program's sums of those of
-    ``beta_u``, ``beta_a`` (``gb_ptr``, its row of ``[programs, 2, m]``)."""
+    ``beta_u``, ``beta_a`` (``gb_ptr``, its row of ``[programs, 2, m]``). ``G_MU``, ``G_ACT``,
+    ``G_QP``, ``G_C``: whether that output has a gradient (an unused one is zero, not read)."""
     offs3, mask3, offs2, mask2, j2 = _tiles(B, M, D, I64, BB, DP, MP)
     s1, s2, sh, mass, inv, m1, sw, delta, lv, iv, cost_h = _moments(
         s_ptr, mass_ptr, sh_ptr, bu_ptr, offs3, mask3, offs2, mask2, j2, B, eps, veps, M, D, ACC
@@ -121,11 +131,11 @@ def m_step_backward(
     sum_cost = tl.sum(cost_h, axis=1)  # [BB, MP]: sum_h (beta_u + lv / 2)
     pre = lam * (ba - sum_cost * mass2)
     sg = tl.exp(_log_sigmoid(pre))  # sigmoid(pre)
-    g_act = tl.load(gact_ptr + offs2, mask=mask2, other=0.0).to(ACC)  # [BB, MP]
-    g_c = tl.load(gc_ptr + offs2, mask=mask2, other=0.0).to(ACC)  # [BB, MP]
-    g_mu = tl.load(gmu_ptr + offs3, mask=mask3, other=0.0).to(ACC)  # [BB, DP, MP]
-    g_q0 = tl.load(gqp_ptr + offs3, mask=mask3, other=0.0).to(ACC)
-    g_q1 = tl.load(gqp_ptr + B * (D * M) + offs3, mask=mask3, other=0.0).to(ACC)
+    g_act = _given(gact_ptr + offs2, mask2, G_ACT, ACC)  # [BB, MP]
+    g_c = _given(gc_ptr + offs2, mask2, G_C, ACC)  # [BB, MP]
+    g_mu = _given(gmu_ptr + offs3, mask3, G_MU, ACC)  # [BB, DP, MP]
+    g_q0 = _given(gqp_ptr + offs3, mask3, G_QP, ACC)
+    g_q1 = _given(gqp_ptr + B * (D * M) + offs3, mask3, G_QP, ACC)
     g_pre = g_act * sg * (1.0 - sg) + g_c * (1.0 - sg)  # [BB, MP]
     g_cost = -lam * g_pre  # [BB, MP]
     g_off = (-0.5 * g_c)[:, None, :]  # [BB, 1, MP]

@@ -61,45 +61,49 @@ def _(s, mass, shift, beta_u, beta_a, consts):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("capsctl::triton_m_step_backward", mutates_args=())
 def _m_step_bwd_op(
     s: Tensor, mass: Tensor, shift: Tensor, beta_u: Tensor, beta_a: Tensor, consts: list[float],
-    g_mu: Tensor, g_act: Tensor, g_qp: Tensor, g_c: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    ins = (s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c)
-    s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c = (t.contiguous() for t in ins)
+    g_mu: Tensor | None, g_act: Tensor | None, g_qp: Tensor | None, g_c: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The gradients of ``s[2, B, d, m]``, ``mass[B, m]`` and of ``(beta_u, beta_a)`` as one
+    ``[2, m]``; an output whose gradient is None has none (zero, and nothing is read)."""
+    s, mass, shift, beta_u, beta_a = (t.contiguous() for t in (s, mass, shift, beta_u, beta_a))
+    given = [None if g is None else g.contiguous() for g in (g_mu, g_act, g_qp, g_c)]
     _, bsz, d, m = s.shape
     gs = torch.empty_like(s)  # [2, B, d, m]
     gmass = s.new_empty(bsz, m)  # [B, m]
     meta, grid = _meta(s)
-    gb = s.new_zeros(grid[0], 2, m)  # [programs, 2, m]: each program's sums
-    if s.numel():
-        with on_device(s):
-            mstep.m_step_backward[grid](
-                s, mass, shift, beta_u, beta_a, g_mu, g_act, g_qp, g_c, gs, gmass, gb, bsz,
-                *consts, **meta, num_warps=_WARPS,
-            )  # fmt: skip
-    return gs, gmass, gb[:, 0].sum(0), gb[:, 1].sum(0)  # ..., [m], [m]
+    if not s.numel():
+        return gs, gmass, s.new_zeros(2, m)
+    gb = s.new_empty(grid[0], 2, m)  # [programs, 2, m]: each program writes its sums
+    present = {
+        k: g is not None for k, g in zip(("G_MU", "G_ACT", "G_QP", "G_C"), given, strict=True)
+    }
+    with on_device(s):
+        mstep.m_step_backward[grid](
+            s, mass, shift, beta_u, beta_a, *(s if g is None else g for g in given), gs, gmass,
+            gb, bsz, *consts, **meta, **present, num_warps=_WARPS,
+        )  # fmt: skip
+    return gs, gmass, gb.sum(0)  # ..., [2, m]
 
 
 @_m_step_bwd_op.register_fake
 def _(s, mass, shift, beta_u, beta_a, consts, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
     bsz, m = s.shape[1], s.shape[3]
-    return torch.empty_like(s), s.new_empty(bsz, m), s.new_empty(m), s.new_empty(m)
+    return torch.empty_like(s), s.new_empty(bsz, m), s.new_empty(2, m)
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     s, mass, shift, beta_u, beta_a, consts = inputs
     ctx.save_for_backward(s, mass, shift, beta_u, beta_a)
     ctx.consts = consts
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: nothing read
 
 
 def _grad(ctx, g_mu, g_act, g_qp, g_c):  # type: ignore[no-untyped-def]
     s, mass, shift, beta_u, beta_a = ctx.saved_tensors
-    g_mu = torch.zeros_like(shift) if g_mu is None else g_mu
-    g_act = s.new_zeros(s.shape[1], s.shape[3]) if g_act is None else g_act
-    g_qp = torch.zeros_like(s) if g_qp is None else g_qp
-    g_c = s.new_zeros(s.shape[1], s.shape[3]) if g_c is None else g_c
-    gs, gmass, gbu, gba = _m_step_bwd_op(
+    gs, gmass, gb = _m_step_bwd_op(
         s, mass, shift, beta_u, beta_a, ctx.consts, g_mu, g_act, g_qp, g_c
     )
+    gbu, gba = gb.unbind(0)  # [m] each
     return gs, gmass.view(mass.shape), None, gbu, gba, None  # [2, B, d, m], [B, m], ...
 
 

@@ -122,6 +122,6 @@ def _triton_e_then_moments(
     q, p = (pose_layout(t, rows, m) for t in qp.unbind(0))  # [B, m, a, c] each
     cb = c.reshape(bsz, m)  # [B, 1, m] -> [B, m]
     sh = pose_layout(shift, rows, m)  # [B, m, a, c]
-    s1, s2, mass = triton_e_then_moments(q, p, cb, a_in, x, w, sh, grid, lse)
-    s = torch.stack((s1, s2)).permute(0, 1, 3, 4, 2)  # [2, B, m, a, c] -> [2, B, a, c, m]
+    s, mass = triton_e_then_moments(q, p, cb, a_in, x, w, sh, grid, lse)  # [2, B, m, a, c]
+    s = s.permute(0, 1, 3, 4, 2)  # [2, B, a, c, m]
     return s.reshape(2, bsz, -1, m), mass.unsqueeze(-1)  # [2, B, d, m], [B, m, 1]

@@ -44,8 +44,27 @@ class WindowGrid:
         ho, wo = (hh - kernel) // stride + 1, (ww - kernel) // stride + 1
         return cls(b, hh, ww, n, ho, wo, kernel, stride)
 
+    @property
+    def geometry(self) -> list[int]:
+        """``[b, H, W, n, h, w, K, S]``, as the Triton kernels of
+        capsctl/layers/backend/triton/overlap_ops.py take it."""
+        return [self.batch, self.height, self.width, self.types, self.out_height,
+                self.out_width, self.kernel, self.stride]  # fmt: skip
+
+    def _gathered(self, x: Tensor, take_max: bool) -> Tensor | None:
+        """Each entry's child's sum or max as one Triton kernel, where they run and no
+        gradient is asked of ``x``; None where they do not (or fail: the torch code runs)."""
+        if not takes_triton(x) or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        call = functools.partial(_triton_overlap, geometry=self.geometry, take_max=take_max)
+        out: Tensor | None = run_fused("overlap_max" if take_max else "overlap_sum", call, x)
+        return out
+
     def sum_overwindow_sites(self, x: Tensor) -> Tensor:
         """``x[B, J]`` -> ``[B, J]``: every entry becomes the sum of its child's entries."""
+        fused = self._gathered(x, take_max=False)
+        if fused is not None:
+            return fused
         b, h, w, k, n = self.batch, self.out_height, self.out_width, self.kernel, self.types
         cols = x.reshape(b, h, w, k, k, n).permute(0, 5, 3, 4, 1, 2)  # [b, n, k, l, h, w]
         cols = cols.reshape(b, n * k * k, h * w)  # [b, (n, k, l), (h, w)]
@@ -57,6 +76,9 @@ class WindowGrid:
     def max_overwindow_sites(self, x: Tensor) -> Tensor:
         """``x[B, J]`` -> ``[B, J]``: every entry becomes the max of its child's entries (no
         gradient)."""
+        fused = self._gathered(x, take_max=True)
+        if fused is not None:
+            return fused
         b, h, w, k, n, s = (
             self.batch,
             self.out_height,
@@ -73,6 +95,18 @@ class WindowGrid:
                     part = grid[:, ky : ky + s * (h - 1) + 1 : s, kx : kx + s * (w - 1) + 1 : s]
                     part.copy_(torch.maximum(part, win[:, :, :, ky, kx]))  # [b, h, w, n]
             return window_sites(grid, k, s)[0]  # [B, J]
+
+
+def _triton_overlap(x: Tensor, *, geometry: list[int], take_max: bool) -> Tensor:
+    from capsctl.layers.backend.triton.overlap_ops import triton_overlap_reduce
+
+    return triton_overlap_reduce(x, geometry, False, False, take_max)
+
+
+def _triton_overlap_lse(zmax: Tensor, esum: Tensor, *, geometry: list[int]) -> Tensor:
+    from capsctl.layers.backend.triton.overlap_ops import triton_overlap_lse
+
+    return triton_overlap_lse(zmax, esum, geometry)
 
 
 class _SoftmaxOverParents(torch.autograd.Function):
@@ -210,6 +244,11 @@ def _child_normalizer(zmax: Tensor, esum: Tensor, grid: WindowGrid | None) -> Te
     ``[B, J]``, from each entry's ``zmax[B, J]`` and ``esum = sum_m exp(z - zmax)``."""
     if grid is None:
         return zmax + torch.log(esum)  # [B, J]
+    if takes_triton(zmax):
+        call = functools.partial(_triton_overlap_lse, geometry=grid.geometry)
+        fused = run_fused("overlap_lse", call, zmax, esum)  # one kernel for all of the below
+        if fused is not None:
+            return fused
     top = grid.max_overwindow_sites(zmax)  # [B, J]: the child's max over its windows
     total = grid.sum_overwindow_sites(esum * torch.exp(zmax - top))  # [B, J]
     return top + torch.log(total)  # [B, J]
@@ -219,7 +258,8 @@ class TritonEStepMoments(torch.autograd.Function):
     """An E-step and the next M-step's moments as the Triton kernels of
     capsctl/layers/backend/triton/em_estep.py (a GPU, or Triton's interpreter), the assignments
     never stored: ``(q, p[B, m, a, c], c[B, m], act[B, J], x[J, B, a, x], w[J, x, m, c],
-    shift[B, m, a, c], grid)`` -> ``(S1, S2[B, m, a, c], mass[B, m])``, the values of
+    shift[B, m, a, c], grid)`` -> ``(S[2, B, m, a, c], mass[B, m])`` (``S`` holding ``S1,
+    S2``), the values of
     :class:`EStep` on the quadratic form ``sum_{a,c} (q U + p U^2)`` followed by the moments
     ``sum_J R act (U, U^2)`` and ``sum_J R act``. Forward: each entry's max and sum of
     exponentials, combined here over every window its child falls in into the child's
@@ -240,27 +280,26 @@ class TritonEStepMoments(torch.autograd.Function):
         shift: Tensor,
         grid: WindowGrid | None,
         lse: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor]:
         from capsctl.layers.backend.triton import estep_moments_ops as ops
 
         tiling = [0, 0]
         if lse is None:
             zmax, esum = ops.triton_em_estep_stats(q, p, c, x, w, shift, tiling)  # [B, J] each
             lse = _child_normalizer(zmax, esum, grid)  # [B, J]
-        s1, s2, mass = ops.triton_em_estep_moments(q, p, c, lse, act, x, w, shift, tiling)
+        s, mass = ops.triton_em_estep_moments(q, p, c, lse, act, x, w, shift, tiling)
         ctx.save_for_backward(q, p, c, lse, act, x, w, shift)
         ctx.grid = grid
-        return s1, s2, mass
+        return s, mass
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g1: Tensor, g2: Tensor, gm: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, gs: Tensor, gm: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         from capsctl.layers.backend.triton import estep_moments_ops as ops
 
         q, p, c, lse, act, x, w, shift = ctx.saved_tensors
         n = ctx.needs_input_grad
-        g1 = torch.zeros_like(shift) if g1 is None else g1
-        g2 = torch.zeros_like(shift) if g2 is None else g2
+        g1, g2 = (torch.zeros_like(shift),) * 2 if gs is None else gs.unbind(0)
         gm = torch.zeros_like(c) if gm is None else gm
         tiling = [0, 0]
         t, dact = ops.triton_em_estep_rowdot(q, p, c, lse, act, x, w, shift, g1, g2, gm, tiling)
@@ -284,9 +323,7 @@ def triton_e_then_moments(
     shift: Tensor,
     grid: WindowGrid | None,
     lse: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:class:`TritonEStepMoments`: ``(S1, S2[B, m, a, c], mass[B, m])``."""
-    out: tuple[Tensor, Tensor, Tensor] = TritonEStepMoments.apply(
-        q, p, c, act, x, w, shift, grid, lse
-    )
+) -> tuple[Tensor, Tensor]:
+    """:class:`TritonEStepMoments`: ``(S[2, B, m, a, c], mass[B, m])``."""
+    out: tuple[Tensor, Tensor] = TritonEStepMoments.apply(q, p, c, act, x, w, shift, grid, lse)
     return out
