@@ -6,6 +6,7 @@ output site ``(h, w)`` with ``Y = h S + k``, ``X = w S + l``, ``0 <= k, l < K``,
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -164,3 +165,39 @@ def test_the_window_grid_and_the_window_copy_take_the_kernels_where_triton_runs(
         (True, False),
         (False, True),
     ]
+
+
+class _Failing:
+    """Stands for a Triton kernel whose launch fails."""
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("out of resources: shared memory")
+
+        return launch
+
+
+def test_failing_window_kernels_leave_the_torch_code_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where a window kernel fails at real shapes, the grid's sums and the window copy's
+    gradient run as torch code, with the same values, after one warning naming the kernel."""
+    from capsctl.layers.backend.triton import overlap
+
+    monkeypatch.setattr(dispatch, "_FUSED_FAILED", {})
+    monkeypatch.setattr(overlap, "overlap_reduce", _Failing())
+    grid = WindowGrid.of(torch.zeros(1, 5, 5, 2), 3, 1)
+    x = torch.randn(9, 18, generator=torch.Generator().manual_seed(6))
+    poses = torch.randn(1, 5, 5, 2, 4, requires_grad=True)
+    gw = torch.randn(9, 18, 4, generator=torch.Generator().manual_seed(7))
+    want = grid.sum_overwindow_sites(x)
+    (want_fold,) = torch.autograd.grad(window_copy(poses, 3, 1), poses, gw)
+    with caplog.at_level(logging.WARNING), dispatch.use("triton"):
+        got = [grid.sum_overwindow_sites(x) for _ in range(2)]
+        (fold,) = torch.autograd.grad(window_copy(poses, 3, 1), poses, gw)
+    torch.testing.assert_close(got[0], want)
+    torch.testing.assert_close(got[1], want)
+    torch.testing.assert_close(fold, want_fold)
+    warned = [r.getMessage() for r in caplog.records if "overlap_sum" in r.getMessage()]
+    assert len(warned) == 2, warned  # once for each set of shapes, not once a call
+    assert "out of resources" in warned[0]
