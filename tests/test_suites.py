@@ -542,3 +542,18 @@ def test_report_counts_the_runs_that_shared_the_machine(
     code, _, err = run_cli(capsys, [*args[:-1], "--results", str(results)])
     assert code == 0, err
     assert read_results(results)[0]["shared_runs"] == 1
+
+
+def test_the_matched_time_is_the_median_of_the_capsule_members_runs_alone(tmp_path: Path) -> None:
+    """``resnet18-matched`` stops at the capsule networks' median wall time: the CNN and
+    ResNet-18, trained at the members' epochs too, do not move it."""
+    from capsctl.suites.pairs import matched_budget
+
+    suite = load_suite("cifar10-fast")
+    out = tmp_path / "suite"
+    for member, seconds in (("idpa", 100.0), ("dynamic", 200.0), ("em", 300.0)):
+        fake_finished_run(out / member / "seed-0", seconds, {})
+    fake_finished_run(out / "cnn" / "seed-0", 10.0, {})
+    fake_finished_run(out / "cnn" / "seed-1", 11.0, {})
+    fake_finished_run(out / "resnet18" / "seed-0", 9000.0, {})
+    assert matched_budget(suite, out) == 200.0

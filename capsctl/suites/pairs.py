@@ -124,6 +124,14 @@ def pair_overrides(suite: Suite, pair: Pair) -> list[str]:
     return suite.overrides(pair.member, pair.seed, pair.lr)
 
 
+def _is_capsule_net(suite: Suite, member: Member) -> bool:
+    """Whether ``member`` trains a capsule network (its resolved preset's model)."""
+    from capsctl.config import load_preset
+
+    preset = load_preset(suite.recipe, suite.overrides(member, suite.seeds_of(member)[0], None))
+    return bool(preset.model.arch == "capsnet")
+
+
 def _of_member(error: CapsctlError, suite: Suite, member: Member) -> CapsctlError:
     """``error`` as one line that names the suite's member it is about."""
     message = f"suite {suite.name}, member {member.name}: {error}"
@@ -242,11 +250,13 @@ def missing_tests(suite: Suite, folder: Path) -> list[str]:
 
 
 def matched_budget(suite: Suite, out: Path) -> float | None:
-    """The median wall time (s) of the finished runs of the suite's ``epochs`` members in
-    ``out``; None while none has finished."""
+    """The median wall time (s) of the finished runs of the suite's capsule members (its
+    ``epochs`` members whose model is a capsule network) in ``out``; None while none has
+    finished. The baselines trained at the members' epochs (a CNN, ResNet-18) do not count:
+    the matched member is stopped at the capsule networks' time."""
     times = []
     for m in suite.members:
-        if m.budget != "epochs":
+        if m.budget != "epochs" or not _is_capsule_net(suite, m):
             continue
         for s in suite.seeds_of(m):
             res = read_json(out / m.name / f"seed-{s}" / "results.json")
