@@ -92,6 +92,11 @@ FLAGS = (
 # pass of 16-d pose vectors took 47-53 ms (forward) and 226-231 ms (backward) that way,
 # 40 and 128-134 ms with 512-bit vectors.
 X86_FLAGS = ("-mprefer-vector-width=512",)
+# The link step's flags: without -ffast-math, with which the compiler driver links
+# crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for the whole
+# process that loads the library (every later float computation of the user's program, not
+# only the loops'). Training flushes subnormals in its own scope (capsctl.devices).
+LINK_FLAGS = ("-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 300
 
 
@@ -194,6 +199,7 @@ def _library_name(cxx: list[str]) -> str:
     for source in sources:  # every file of csrc/, its name and its bytes
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(build_flags()).encode())
+    digest.update(" ".join(LINK_FLAGS).encode())
     digest.update(version.encode())
     digest.update(_cpu_key().encode())
     return f"routing_kernels-{digest.hexdigest()[:16]}.so"
@@ -236,7 +242,7 @@ def _build(cxx: list[str], library: Path) -> ctypes.CDLL:
                 for failed in pool.map(_compile, compiles):
                     if failed:
                         raise RuntimeError(f"{Path(cxx[0]).name} failed: {failed}")
-            failed = _compile([*cxx, *build_flags(), *outputs, "-o", tmp, "-lm"])
+            failed = _compile([*cxx, *LINK_FLAGS, *outputs, "-o", tmp, "-lm"])
             if failed:
                 raise RuntimeError(f"{Path(cxx[0]).name} failed: {failed}")
         os.chmod(tmp, 0o755)  # the linker may have made it with the user's umask

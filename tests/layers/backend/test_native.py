@@ -489,6 +489,26 @@ def test_the_self_test_passes_when_first_loaded_under_autocast(fresh_load: None)
     assert status.startswith("on"), status
 
 
+def test_loading_the_library_leaves_the_processs_float_mode_alone() -> None:
+    """The library is linked without ``-ffast-math``: with it the compiler links
+    crtfastmath.o, whose constructor flushes subnormal floats to zero for the whole process
+    that loads the library, the user's own computations included (training flushes them in
+    its own scope, capsctl.devices.flush_denormals)."""
+    require_native()  # built into the cache this process and the one below share
+    code = (
+        "from capsctl.devices import denormals_flushed as flushed\n"
+        "assert not flushed()\n"
+        "from capsctl.layers.backend import native\n"
+        "assert native.loaded() is not None\n"
+        "print(flushed())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 def test_the_library_is_built_once_into_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_load: None
 ) -> None:
