@@ -4,7 +4,9 @@ In a conv capsule layer each child ``[b, H, W, n]`` votes at up to ``k*k`` paren
 paper (Hinton, Sabour, Frosst, ICLR 2018, Procedure 1) normalizes a child's assignments over
 every parent it votes for, i.e. across those sites. :class:`WindowGrid` gathers, for every
 entry ``[B, J]`` of the site layout (capsctl/layers/baseline_capsules.py), a sum or a max over
-all entries of the same child; :func:`softmax_over_parents` is the softmax built on them.
+all entries of the same child (one Triton kernel each where the kernels run, a GPU:
+capsctl/layers/backend/triton/overlap.py); :func:`softmax_over_parents` is the softmax built
+on them.
 """
 
 from __future__ import annotations
