@@ -86,3 +86,14 @@ def test_fixed_span_and_block_are_kept_for_tests() -> None:
     p = launch_plan(40, 10, 10, 4, 4, 4, 4, span=3, block=3)
     assert (p.span, p.spans, p.block) == (3, 14, 4)
     assert p.w_span == p.w_block
+
+
+def test_an_input_gradient_over_several_blocks_of_parents_takes_half_blocks() -> None:
+    """Where one block of parents does not hold all of them (100 classes of 4x4 poses), the
+    input-gradient kernel loops over blocks half the size that fits (its loop is not unrolled):
+    at 64 parents a block it held 188 registers on sm_90a, at 32 it holds 126. Where one block
+    holds every parent (32 types), nothing changes."""
+    many = launch_plan(800, 128, 100, 4, 4, 4, 4)  # J, B, m, a, c, x, float32
+    assert (many.mp, many.x_parents, many.x_warps) == (128, 32, 4)
+    one = launch_plan(288, 6272, 32, 4, 4, 4, 4)
+    assert (one.mp, one.x_parents) == (32, 32)

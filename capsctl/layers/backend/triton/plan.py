@@ -146,6 +146,8 @@ def launch_plan(
     xmb = mp
     while xmb > 1 and (xmb * cp * kp * itemsize // 4 > room or bb * ap * xmb * cp > room):
         xmb //= 2
+    if xmb < mp:  # several blocks of parents: half the block (100 classes held 188 registers)
+        xmb = max(1, xmb // 2)
     x_warps = _warps_for(max(bb * ap * xmb * cp, xmb * cp * kp * itemsize // 4))
     xvmb = xmb
     while xvmb > 1 and bb * ap * xvmb * cp > CHAINED_PER_THREAD * 32 * x_warps:
