@@ -128,9 +128,12 @@ def test_the_overlap_ops_pass_opcheck() -> None:
     torch.library.opcheck(ops.triton_overlap_lse.default, (x, torch.rand(18, 27) + 1, geometry))
 
 
-def test_mismatched_entries_are_refused() -> None:
+def test_mismatched_entries_and_a_max_to_the_grid_are_refused() -> None:
+    geometry = _geometry(2, 5, 5, 3, 3, 1)
     with pytest.raises(ValueError, match="do not match"):
-        triton_overlap_reduce(torch.randn(5, 27), _geometry(2, 5, 5, 3, 3, 1), False, True, False)
+        triton_overlap_reduce(torch.randn(5, 27), geometry, False, True, False)
+    with pytest.raises(ValueError, match="entries only"):
+        triton_overlap_reduce(torch.randn(18, 27), geometry, False, True, True)
 
 
 def test_the_window_grid_and_the_window_copy_take_the_kernels_where_triton_runs(

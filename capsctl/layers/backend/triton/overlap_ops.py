@@ -33,8 +33,9 @@ _ELEMENTS = 512
 _WARPS = 4
 
 
-def _launch(geometry: list[int], e: int, child_major: bool, numel: int) -> dict:
-    """The constexprs and sizes common to both kernels, and the grid (``_grid``)."""
+def _launch(geometry: list[int], e: int, child_major: bool, numel: int) -> tuple[dict, tuple[int]]:
+    """The sizes and constexprs both kernels take (entries ``e`` wide, padded to ``EP``) and
+    their grid."""
     b, hh, ww, n, ho, wo, k, s = geometry
     sites, entries = b * ho * wo, k * k * n
     sb, sj = (e, sites * e) if child_major else (entries * e, e)
@@ -42,10 +43,11 @@ def _launch(geometry: list[int], e: int, child_major: bool, numel: int) -> dict:
     ep = triton.next_power_of_2(e)
     bc = max(1, _ELEMENTS // ep)
     big = max(numel, children * e) >= 2**31
-    return {
+    meta = {
         "CHILDREN": children, "H": hh, "W": ww, "N": n, "HO": ho, "WO": wo, "SB": sb, "SJ": sj,
-        "K": k, "S": s, "I64": big, "BC": bc, "_grid": (triton.cdiv(children, bc),), "_ep": ep,
+        "K": k, "S": s, "I64": big, "BC": bc,
     }  # fmt: skip
+    return meta, (triton.cdiv(children, bc),)
 
 
 def _check(t: Tensor, geometry: list[int], child_major: bool) -> int:
@@ -62,18 +64,17 @@ def triton_overlap_reduce(
     src: Tensor, geometry: list[int], child_major: bool, to_grid: bool, take_max: bool
 ) -> Tensor:
     """Each child's sum (max with ``take_max``) over its window entries (module docstring)."""
+    if to_grid and take_max:
+        raise ValueError("the max over windows is written back to the entries only")
     src = src.contiguous()
     e = _check(src, geometry, child_major)
     b, hh, ww, n = geometry[:4]
     out = src.new_empty(b, hh, ww, n, *src.shape[2:]) if to_grid else torch.empty_like(src)
-    if to_grid and take_max:
-        raise ValueError("the max over windows is written back to the entries only")
-    meta = _launch(geometry, e, child_major, src.numel())
-    grid, ep = meta.pop("_grid"), meta.pop("_ep")
+    meta, grid = _launch(geometry, e, child_major, src.numel())
     if out.numel():
         with on_device(src):
             overlap.overlap_reduce[grid](
-                src, out, **meta, E=e, EP=ep, MAX=take_max, TO_GRID=to_grid,
+                src, out, **meta, E=e, EP=triton.next_power_of_2(e), MAX=take_max, TO_GRID=to_grid,
                 ACC=acc_dtype(src)[1], num_warps=_WARPS,
             )  # fmt: skip
     return out
@@ -93,8 +94,7 @@ def triton_overlap_lse(zmax: Tensor, esum: Tensor, geometry: list[int]) -> Tenso
     zmax, esum = zmax.contiguous(), esum.contiguous()
     _check(zmax, geometry, False)
     lse = torch.empty_like(zmax)
-    meta = _launch(geometry, 1, False, zmax.numel())
-    grid, _ = meta.pop("_grid"), meta.pop("_ep")
+    meta, grid = _launch(geometry, 1, False, zmax.numel())
     if lse.numel():
         with on_device(zmax):
             overlap.overlap_lse[grid](
