@@ -412,6 +412,55 @@ def test_the_routed_kernels_keep_the_budgets_at_dynamic_routings_widest_poses(
             assert gpu_aot.broken_budgets(out) == [], (launch.kernel, out)
 
 
+def _cifar100_widest_launches() -> list[gpu_aot.Launch]:
+    """Float32 launches at the CIFAR-100 models' widest shapes (the constexprs of the real
+    ones; few sites): dynamic routing's routed pass over 32 parents of 36-wide vectors,
+    self-routing's weighted pass over 32 parents of 6x6 poses, and EM's M-step of 100 classes
+    of 6x6 poses, each forward and backward."""
+    from capsctl.layers.backend.triton.mstep_ops import triton_m_step
+    from capsctl.layers.backend.triton.ops import triton_routed, triton_weighted
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, requires_grad=True)
+
+    with gpu_aot.capturing() as launches:
+        s, _ = triton_routed(leaf(4, 16, 1, 36), leaf(4, 36, 32, 36), leaf(16, 32, 1, 36), 1 / 6)
+        s.sum().backward()  # [J, B, a, x], [J, x, m, c], [B, m, a, c]
+        triton_weighted(leaf(4, 2, 6, 6), leaf(4, 6, 32, 6), leaf(4, 2, 32)).sum().backward()
+        mu, act, _, _ = triton_m_step(
+            leaf(2, 2, 36, 100),
+            leaf(2, 100, 1),
+            torch.rand(2, 36, 100),
+            leaf(100),
+            leaf(100),
+            0.01,
+            1e-7,
+            5e-4,
+        )  # [2, B, d, m], [B, m, 1], [B, d, m], [m], [m]
+        (mu.sum() + act.sum()).backward()
+    return launches
+
+
+@pytest.mark.slow
+def test_the_kernels_keep_the_budgets_at_the_cifar100_models_widest_shapes(
+    tmp_path: Path,
+) -> None:
+    # on sm_90a, before: the routed forward and backward spilled up to 54 KB a thread and took
+    # up to 78 s to compile (one program held a child's weights for all 32 parents), the
+    # weighted input gradient held 246 registers, the M-step 255 and spilled
+    launches = _cifar100_widest_launches()
+    kernels = [v.kernel for v in launches]
+    # the routed pass of 36-wide vectors is weighted launches on blocks of parents
+    assert kernels[:2] == ["pass_backward", "pass_forward"], kernels
+    votes = [v for v in launches if v.kernel in ("pass_forward", "pass_backward")]
+    assert not any(v.value("ROUTED") for v in votes)
+    assert {"pass_input_grad", "m_step_forward", "m_step_backward"} <= set(kernels)
+    with gpu_aot.Compiler(tmp_path, timeout=120) as compiler:
+        for launch in {v.key: v for v in launches}.values():
+            out = compiler.compile(launch.spec(), 90)
+            assert gpu_aot.broken_budgets(out, launch.kernel) == [], (launch.kernel, out)
+
+
 def test_a_variant_past_the_timeout_is_reported_as_timed_out(tmp_path: Path) -> None:
     spec = _weighted_launch().spec()
     with gpu_aot.Compiler(tmp_path, timeout=0.01) as compiler:

@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton cannot import (it ships with torch'
 
 from capsctl.layers.backend import dispatch  # noqa: E402
 from capsctl.layers.backend.triton import mstep as mstep_kernels  # noqa: E402
+from capsctl.layers.backend.triton import mstep_ops  # noqa: E402
 from capsctl.layers.backend.triton.mstep_ops import triton_m_step  # noqa: E402
 from capsctl.layers.routers.em import procedure  # noqa: E402
 
@@ -28,9 +29,9 @@ EPS = 1e-7  # added to sum_i R_ij a_i (the authors' conv routing)
 VAR_EPS = 5e-4  # added to every variance (the authors' min_var)
 
 # (B parent sites, J children, d pose entries, m parent types): 4x4 poses, a block edge, one
-# entry, one parent
+# entry, one parent, 6x6 poses whose parents take two programs (the second one partial)
 SHAPES = {"matrix": (5, 6, 16, 3), "many-sites": (70, 3, 4, 10), "vector-1": (3, 4, 1, 2),
-          "one-parent": (4, 5, 16, 1)}  # fmt: skip
+          "one-parent": (4, 5, 16, 1), "parent-blocks": (3, 4, 36, 21)}  # fmt: skip
 
 
 def _case(shape: tuple[int, ...], dtype: torch.dtype = F64, seed: int = 0):
@@ -78,7 +79,7 @@ def test_the_m_step_kernel_matches_the_papers_equations(name: str) -> None:
     torch.testing.assert_close(c.transpose(1, 2) - 0.5 * quad, want, rtol=1e-8, atol=1e-8)
 
 
-@pytest.mark.parametrize("name", ["matrix", "many-sites", "one-parent"])
+@pytest.mark.parametrize("name", ["matrix", "many-sites", "one-parent", "parent-blocks"])
 def test_the_m_step_gradients_match_the_torch_code(name: str) -> None:
     _, _, moments, mass, shift, beta_u, beta_a = _case(SHAPES[name])
     ins = [t.clone().requires_grad_() for t in (moments, mass, beta_u, beta_a)]
@@ -126,6 +127,18 @@ def test_outputs_without_a_gradient_are_neither_materialized_nor_read(
     flags = dict(next(x for x in launches if x.kernel == "m_step_backward").constexprs)
     given = [flags[k] for k in ("G_MU", "G_ACT", "G_QP", "G_C")]
     assert given == [i in used for i in range(4)]
+
+
+def test_wide_parents_split_between_programs() -> None:
+    """cifar100-em's class layer (100 parents of 6x6 poses): one program held all 128 padded
+    parents' ``[64, 128]`` tiles, 255 registers and a spill on sm_90a. The M-step is
+    independent across parents, so a program holds at most 1,024 entries: 16 parents, 7
+    programs a block of sites."""
+    meta, grid = mstep_ops._meta(torch.empty(2, 128, 36, 100))
+    assert (meta["DP"], meta["MP"], meta["BB"]) == (64, 16, 1)
+    assert grid == (128, 7)
+    meta, grid = mstep_ops._meta(torch.empty(2, 128, 16, 10))  # 4x4 poses: one block of parents
+    assert (meta["MP"], grid[1]) == (16, 1)
 
 
 def test_the_m_step_passes_gradcheck_and_opcheck() -> None:

@@ -45,6 +45,9 @@ SHAPES = {
     "one-parent": (4, 2, 4, 4, 1, 4, 0, 0),
     "one-child": (1, 3, 4, 4, 3, 4, 0, 2),
     "vector-default-launch": (6, 4, 1, 8, 4, 8, 0, 0),
+    # 36-wide vectors (cifar100-dynamic): one child's weights for all parents outgrow a
+    # program, so the routed pass is composed of weighted launches on blocks of parents
+    "wide-vector-parent-blocks": (3, 5, 1, 36, 5, 36, 0, 0),
 }
 
 

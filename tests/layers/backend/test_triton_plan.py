@@ -9,8 +9,10 @@ import pytest
 from capsctl.layers.backend.triton.plan import (
     CHAINED_PER_THREAD,
     MMA_K,
+    TF32X3_K,
     TILE_PER_THREAD,
     W_ROWS,
+    WEIGHTS_MAX,
     launch_plan,
     next_pow2,
 )
@@ -23,6 +25,9 @@ SHAPES = [
     (32 * 9, 128 * 36, 32, 4, 4, 4),
     (1152, 128, 10, 1, 16, 8),
     (288, 128 * 49, 32, 1, 16, 16),
+    (288, 128 * 64, 32, 1, 36, 36),
+    (32 * 64, 128, 100, 1, 36, 36),
+    (32 * 9, 128 * 25, 32, 6, 6, 6),
     (7, 1, 3, 3, 5, 6),
     (8, 4, 1, 1, 4, 4),
 ]
@@ -46,17 +51,22 @@ def test_plans_fit_the_mma_and_the_register_budget(
     assert p.mp * p.cp >= 16
     # a site-major tile holds at most TILE_PER_THREAD elements a thread, unless one site is
     # already more than the widest block holds
-    tile = p.block * p.ap * p.mp * p.cp
+    # so do one child's weights [KP, parents*CP] (16-bit ones count half), up to the widest
+    # block; the forward and first backward kernels' blocks of parents split the padded m
+    tile = p.block * p.ap * p.parents * p.cp
     assert tile <= TILE_PER_THREAD * 32 * p.warps or p.block == 1
-    # so do one child's weights [KP, MP*CP] (16-bit ones count half), up to the widest block
-    weights = p.kp * p.mp * p.cp * itemsize // 4
+    weights = p.kp * p.parents * p.cp * itemsize // 4
     assert weights <= TILE_PER_THREAD * 32 * p.warps or p.warps == 16
+    assert weights <= WEIGHTS_MAX or p.parents == 1
+    assert p.mp % p.parents == 0 and p.wide == (p.parents < p.mp)
+    assert p.parent_grid(bsz) == (*p.grid(bsz), p.mp // p.parents)
     # the input gradient sums over blocks of parents that split the padded m, each block's
     # weights [MB*CP, KP] and tile within the budget of its warps
     assert p.mp % p.x_parents == 0
     room = TILE_PER_THREAD * 32 * p.x_warps
     assert p.x_parents * p.cp * p.kp * itemsize // 4 <= room or p.x_parents == 1
     assert p.block * p.ap * p.x_parents * p.cp <= room or p.x_parents == 1
+    assert itemsize != 4 or p.x_parents * p.cp <= TF32X3_K or p.x_parents == 1
     # a block that chains two products (EM's votes, then dX) keeps a smaller tile
     assert p.x_parents % p.xv_parents == 0
     chained = CHAINED_PER_THREAD * 32 * p.x_warps
@@ -92,8 +102,30 @@ def test_an_input_gradient_over_several_blocks_of_parents_takes_half_blocks() ->
     """Where one block of parents does not hold all of them (100 classes of 4x4 poses), the
     input-gradient kernel loops over blocks half the size that fits (its loop is not unrolled):
     at 64 parents a block it held 188 registers on sm_90a, at 32 it holds 126. Where one block
-    holds every parent (32 types), nothing changes."""
-    many = launch_plan(800, 128, 100, 4, 4, 4, 4)  # J, B, m, a, c, x, float32
+    holds every parent (32 types), nothing changes. (bf16 inputs: float32 ones also keep the
+    product's K within TF32X3_K, below.)"""
+    many = launch_plan(800, 128, 100, 4, 4, 4, 2)  # J, B, m, a, c, x, bf16
     assert (many.mp, many.x_parents, many.x_warps) == (128, 32, 4)
-    one = launch_plan(288, 6272, 32, 4, 4, 4, 4)
+    one = launch_plan(288, 6272, 32, 4, 4, 4, 2)
     assert (one.mp, one.x_parents) == (32, 32)
+
+
+def test_weights_too_wide_for_one_program_split_the_parents() -> None:
+    """36-wide vectors (cifar100-dynamic's conv layer): one child's weights for its 32 parents
+    are ``[64, 32*64]``, 16 times what 16 warps hold at 16 elements a thread; the forward and
+    the first backward kernel take 2 parents a program in float32 and 4 in bf16 (which
+    spilled 54 KB a thread on sm_90a when one program held all 32). 16-wide vectors keep every
+    parent in one program."""
+    wide = launch_plan(288, 128 * 64, 32, 1, 36, 36, 4)
+    assert (wide.kp, wide.mp, wide.cp, wide.parents, wide.wide) == (64, 32, 64, 2, True)
+    assert launch_plan(288, 128 * 64, 32, 1, 36, 36, 2).parents == 4
+    narrow = launch_plan(288, 128 * 64, 32, 1, 16, 16, 4)
+    assert (narrow.parents, narrow.wide) == (32, False)
+
+
+def test_float32_input_gradients_keep_the_products_k_small() -> None:
+    """Self-routing's conv layer of 6x6 poses, float32: one block of its 32 parents made the
+    input gradient's product ``[8, 256] x [256, 8]`` as three tf32 products, 246 registers on
+    sm_90a; blocks of 8 parents (K = 64) hold 92. bf16 products keep the whole block."""
+    assert launch_plan(32 * 9, 128 * 25, 32, 6, 6, 6, 4).x_parents == 8
+    assert launch_plan(32 * 9, 128 * 25, 32, 6, 6, 6, 2).x_parents == 32

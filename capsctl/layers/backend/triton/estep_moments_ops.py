@@ -31,10 +31,12 @@ __all__ = [
 ]
 
 
-# warps the backward's operand-gradient kernel takes beyond its plan's: it keeps five
-# parent-sized tiles live (the shift, q, p, gS1, gS2) besides its two sums and the votes, about
-# twice the routed pass's, so that twice the warps keep a thread within the register budget
-# (223 registers a thread with the plan's warps on sm_90a, 128 with twice as many)
+# warps the backward's operand-gradient kernel and the forward's moments kernel take beyond
+# their plan's: the first keeps five parent-sized tiles live (the shift, q, p, gS1, gS2)
+# besides its two sums and the votes, the second its two sums, the votes, the shift and the
+# quadratic form's operands: about twice the routed pass's, so that twice the warps keep a
+# thread within the register budget (sm_90a: 223 registers a thread with the plan's warps, 128
+# with twice as many; the moments of 32 parents of 6x6 poses 177, and 108)
 _WIDER = 2
 _MAX_WARPS = 16
 
@@ -103,7 +105,7 @@ def triton_em_estep_moments(
     with on_device(x):
         em_estep.em_estep_moments[plan.grid(bsz)](
             x, w, shift, q, p, c, lse, act, o1, o2, mass, j, bsz, plan.span, BB=plan.block,
-            **meta, num_warps=plan.warps, num_stages=plan.stages,
+            **meta, num_warps=_wider(plan.warps), num_stages=plan.stages,
         )  # fmt: skip
     s = o[:, 0] if o.shape[1] == 1 else o.sum(1)  # [2, B, m, a, c]
     return s.to(x.dtype), _span_sum(mass).to(x.dtype)

@@ -4,23 +4,32 @@ products (tiles.py) and never stored, every sum kept in registers and written on
 Letters and layouts as in capsctl/layers/passes/routed.py and tiles.py. Four kernels, none
 with an atomic:
 
-- :func:`pass_forward` (grid: site blocks x child spans). A program owns ``BB`` parent sites
-  and loops over its span of ``JN`` children; per child it builds the votes ``V[BB, a, m, c]``
-  (one ``tl.dot``), then routed (``ROUTED``): ``A = scale * sum_{a,c} V P``,
-  ``R = softmax_m(A)`` (stored); weighted: ``R`` read. ``S += R V`` stays in registers; the
-  program writes its span's sum once, to ``S[span, B, m, a, c]`` (the launcher adds the spans).
+- :func:`pass_forward` (grid: site blocks x child spans x parent blocks). A program owns ``BB``
+  parent sites and ``MP`` parents (all of them, unless one child's weights for all of them
+  outgrow a program: plan.py) and loops over its span of ``JN`` children; per child it builds
+  the votes ``V[BB, a, m, c]`` (one ``tl.dot``), then routed (``ROUTED``):
+  ``A = scale * sum_{a,c} V P``, ``R = softmax_m(A)`` (stored); weighted: ``R`` read.
+  ``S += R V`` stays in registers; the program writes its span's sum once, to
+  ``S[span, B, m, a, c]`` (the launcher adds the spans).
 - :func:`pass_backward` (same grid), from ``G = d loss / d S``: the votes again,
   ``dR = sum_{a,c} V G``; routed: ``dA = R (dR - sum_m R dR)`` (stored for the gradients of
   the inputs and the weights, ``NEED_A``), ``dP += scale sum_j dA V`` (registers, written once
   per span); weighted: ``dR`` stored.
-- :func:`pass_input_grad` (same grid): ``dV = R G + dA (scale P)`` (weighted ``R G``) needs no
-  votes once ``dA`` is known, so per child ``dX = dV W^T`` is one ``tl.dot`` per block of
-  ``MB`` parents, stored (a site and a child belong to one program).
+- :func:`pass_input_grad` (grid: site blocks x child spans): ``dV = R G + dA (scale P)``
+  (weighted ``R G``) needs no votes once ``dA`` is known, so per child ``dX = dV W^T`` is one
+  ``tl.dot`` per block of ``MB`` parents, stored (a site and a child belong to one program).
 - :func:`pass_weight_grad` (grid: children x site spans x parent blocks): ``dV`` needs no
   votes once ``dA`` is known, ``dV = R G + dA (scale P)`` (weighted ``R G``), so a program
   owns one child and ``MB`` of its parents and loops over its span of sites in blocks of
   ``BB``, summing ``dW += X^T dV`` (one ``tl.dot`` per block) in registers; it writes its
   span's ``dW[span, J, x, m, c]`` once (the launcher adds the spans).
+
+The routed forward and backward need every parent of a child in one program (the softmax over
+``m``). Where a block holds fewer, ops.py composes the routed pass from the weighted one's
+kernels, each on blocks of parents: the agreement is :func:`pass_backward`'s ``dR`` with
+``G = scale P`` and ``S`` the weighted forward (softmax between them, on ``[J, B, m]``); in the
+backward ``dR``, then ``dA`` (on ``[J, B, m]``), then ``dP`` as the weighted forward with
+``R = dA``.
 
 Masks cut the padded dimensions (tiles.py) and the sites past a program's span.
 """
@@ -36,7 +45,7 @@ from capsctl.layers.backend.triton.tiles import (
     pose_rows,
     softmax_rows,
     to_rows,
-    vote_tile,
+    vote_block,
     widen,
 )
 
@@ -51,19 +60,21 @@ def pass_forward(
     I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
     MP: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """``S[span, B, m, a, c] = sum_{j in span} R V`` of the program's sites; ``ROUTED``: ``R``
-    from the agreement with ``P`` (written to ``r_ptr``), else read from ``r_ptr``."""
+    """``S[span, B, m, a, c] = sum_{j in span} R V`` of the program's sites and block of ``MP``
+    parents; ``ROUTED`` (one block holds every parent): ``R`` from the agreement with ``P``
+    (written to ``r_ptr``), else read from ``r_ptr``."""
     b0 = tl.program_id(0) * BB
     span = tl.program_id(1)
+    m0 = tl.program_id(2) * MP
     j_lo = span * JN
-    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     if ROUTED:
         pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC) * scale  # scale P
     acc = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # S of the span
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
-        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
-                         MP, CP)  # fmt: skip
-        roffs, rmask, m2 = coef_tile(j, b0, B, 0, B, M, I64, BB, MP)  # [BB, MP]
+        v, _ = vote_block(x_ptr, w_ptr, j, b0, B, B, m0, M, A, C, XD, DT, DOT, I64, BB, KP,
+                          AP, MP, CP)  # fmt: skip
+        roffs, rmask, m2 = coef_tile(j, b0, B, m0, B, M, I64, BB, MP)  # [BB, MP]
         if ROUTED:
             logit = tl.sum(tl.sum(v * pv, axis=3), axis=1)  # [BB, MP]
             r = softmax_rows(logit, m2, M)  # [BB, MP]
@@ -84,19 +95,21 @@ def pass_backward(
     I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
     MP: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """From ``G[B, m, a, c]`` (``g_ptr``), routed: ``dP[span, B, m, a, c]`` written once per
-    span (``NEED_P``) and ``dA[J, B, m]`` stored (``NEED_A``); weighted: ``dR[J, B, m]`` stored
+    """From ``G[B, m, a, c]`` (``g_ptr``), of the program's sites and block of ``MP`` parents:
+    routed (one block holds every parent): ``dP[span, B, m, a, c]`` written once per span
+    (``NEED_P``) and ``dA[J, B, m]`` stored (``NEED_A``); weighted: ``dR[J, B, m]`` stored
     (``NEED_P``, in ``gp_ptr``)."""
     b0 = tl.program_id(0) * BB
     span = tl.program_id(1)
+    m0 = tl.program_id(2) * MP
     j_lo = span * JN
-    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     gv = tl.load(g_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MP, CP]
     gp = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # dP of the span (routed), before the scale
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
-        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
-                         MP, CP)  # fmt: skip
-        roffs, rmask, _ = coef_tile(j, b0, B, 0, B, M, I64, BB, MP)  # [BB, MP]
+        v, _ = vote_block(x_ptr, w_ptr, j, b0, B, B, m0, M, A, C, XD, DT, DOT, I64, BB, KP,
+                          AP, MP, CP)  # fmt: skip
+        roffs, rmask, _ = coef_tile(j, b0, B, m0, B, M, I64, BB, MP)  # [BB, MP]
         dr = tl.sum(tl.sum(v * gv, axis=3), axis=1)  # [BB, MP]
         if ROUTED:
             r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]

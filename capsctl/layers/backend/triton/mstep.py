@@ -12,12 +12,14 @@ with ``w = 1 / (M + eps)``::
     cost = sum_h (beta_u + lv / 2) M, pre = lambda (beta_a - cost), act = sigmoid(pre)
     qp = (-2 delta iv, iv), c = logsigmoid(pre) - sum_h delta^2 iv / 2 - sum_h (lv + log 2 pi) / 2
 
-- :func:`m_step_forward` (grid: site blocks): a program owns ``BB`` sites and all their
-  parents, ``[BB, DP, MP]`` tiles in the moments' layout ``(b, h, j)``; stores ``mu - s``'s sum
-  with ``s`` (``mu`` as ``[B, d, m]``), ``act``, ``qp`` and ``c``.
+- :func:`m_step_forward` (grid: site blocks x parent blocks): a program owns ``BB`` sites and
+  ``MP`` of their parents (the M-step is independent across parents), ``[BB, DP, MP]`` tiles in
+  the moments' layout ``(b, h, j)``; stores ``mu - s``'s sum with ``s`` (``mu`` as
+  ``[B, d, m]``), ``act``, ``qp`` and ``c``.
 - :func:`m_step_backward` (same grid): recomputes the above and takes the gradients of the four
   outputs back to ``S`` and ``M`` (stored) and to ``beta_u``, ``beta_a`` (each program's sum over
-  its sites stored in its own row of ``[programs, 2, m]``, which the caller sums). No atomics.
+  its sites stored in its block's row of ``[site blocks, 2, m]``, which the caller sums). No
+  atomics.
 
 Sums in float32 (float64 for float64 inputs); padded pose entries and parents are masked out of
 every sum.
@@ -36,16 +38,18 @@ LOG_2PI = tl.constexpr(1.8378770664093453)  # log(2 pi)
 @triton.jit
 def _tiles(B, M: tl.constexpr, D: tl.constexpr, I64: tl.constexpr, BB: tl.constexpr,
            DP: tl.constexpr, MP: tl.constexpr):  # fmt: skip
-    """The program's ``[BB, DP, MP]`` offsets into ``[B, d, m]`` and their mask, its
+    """The program's ``[BB, DP, MP]`` offsets into ``[B, d, m]`` (sites ``BB`` from block
+    ``program_id(0)``, parents ``MP`` from block ``program_id(1)``) and their mask, its
     ``[BB, MP]`` offsets into ``[B, m]`` and theirs, and the parent index ``[1, MP]``."""
     bb = tl.program_id(0) * BB + tl.arange(0, BB)
     if I64:
         bb = bb.to(tl.int64)
+    jj = tl.program_id(1) * MP + tl.arange(0, MP)
     b3 = bb[:, None, None]
     h3 = tl.arange(0, DP)[None, :, None]
-    j3 = tl.arange(0, MP)[None, None, :]
+    j3 = jj[None, None, :]
     b2 = bb[:, None]
-    j2 = tl.arange(0, MP)[None, :]
+    j2 = jj[None, :]
     offs3 = (b3 * D + h3) * M + j3  # [BB, DP, MP]
     offs2 = b2 * M + j2  # [BB, MP]
     return offs3, (b3 < B) & (h3 < D) & (j3 < M), offs2, (b2 < B) & (j2 < M), j2
@@ -155,6 +159,7 @@ def m_step_backward(
     # beta_u: d cost / d beta_u = d M; beta_a: d pre / d beta_a = lambda
     g_bu = tl.sum(tl.where(mask2, g_cost * mass2 * D, 0.0), axis=0)  # [MP]
     g_ba = tl.sum(tl.where(mask2, lam * g_pre, 0.0), axis=0)  # [MP]
-    row = tl.program_id(0) * (2 * M) + tl.arange(0, MP)
-    tl.store(gb_ptr + row, g_bu, mask=tl.arange(0, MP) < M)
-    tl.store(gb_ptr + row + M, g_ba, mask=tl.arange(0, MP) < M)
+    jj = tl.program_id(1) * MP + tl.arange(0, MP)  # [MP]: the program's parents
+    row = tl.program_id(0) * (2 * M) + jj
+    tl.store(gb_ptr + row, g_bu, mask=jj < M)
+    tl.store(gb_ptr + row + M, g_ba, mask=jj < M)

@@ -20,17 +20,21 @@ from capsctl.layers.backend.triton.ops import acc_dtype, on_device
 
 __all__ = ["triton_m_step"]
 
-# parents' pose entries a program holds ([BB, DP, MP] tiles of several tensors at once)
+# parents' pose entries a program holds ([BB, DP, MP] tiles of several tensors at once): 8 a
+# thread of 4 warps (all 128 parents of 6x6 poses, 8,192 entries, held 255 registers and spilled)
 _ELEMENTS = 1024
 _WARPS = 4
 
 
-def _meta(s: Tensor) -> tuple[dict, tuple[int]]:
+def _meta(s: Tensor) -> tuple[dict, tuple[int, int]]:
+    """The kernels' constexprs and grid ``(site blocks, parent blocks)``: ``MP`` parents a
+    program, as many as :data:`_ELEMENTS` allows, and ``BB`` sites."""
     _, bsz, d, m = s.shape
-    dp, mp = triton.next_power_of_2(d), triton.next_power_of_2(m)
+    dp = triton.next_power_of_2(d)
+    mp = min(triton.next_power_of_2(m), max(1, _ELEMENTS // dp))
     bb = max(1, _ELEMENTS // (dp * mp))
     meta = {"M": m, "D": d, "ACC": acc_dtype(s)[1], "I64": s.numel() >= 2**31}
-    return meta | {"BB": bb, "DP": dp, "MP": mp}, (triton.cdiv(bsz, bb),)
+    return meta | {"BB": bb, "DP": dp, "MP": mp}, (triton.cdiv(bsz, bb), triton.cdiv(m, mp))
 
 
 @torch.library.custom_op("capsctl::triton_m_step", mutates_args=())
@@ -73,7 +77,7 @@ def _m_step_bwd_op(
     meta, grid = _meta(s)
     if not s.numel():
         return gs, gmass, s.new_zeros(2, m)
-    gb = s.new_empty(grid[0], 2, m)  # [programs, 2, m]: each program writes its sums
+    gb = s.new_empty(grid[0], 2, m)  # [site blocks, 2, m]: each program writes its sums
     present = {
         k: g is not None for k, g in zip(("G_MU", "G_ACT", "G_QP", "G_C"), given, strict=True)
     }

@@ -86,6 +86,40 @@ def kernel_meta(x: Tensor, m: int, a: int, c: int, plan: LaunchPlan, *numels: in
     }  # fmt: skip
 
 
+def _sum_launch(
+    x: Tensor, w: Tensor, p: Tensor, r: Tensor, s: Tensor, scale: float, routed: bool,
+    plan: LaunchPlan, meta: dict,
+) -> None:  # fmt: skip
+    """:func:`kernels.pass_forward` into ``s[spans, B, m, a, c]``: routed (``r`` written) or
+    weighted by ``r[J, B, m]`` (``p`` not read), one program a block of sites, child span and,
+    weighted, block of parents."""
+    j, bsz = x.shape[:2]
+    grid = plan.grid(bsz) if routed else plan.parent_grid(bsz)
+    mp = plan.mp if routed else plan.parents
+    with on_device(x):
+        kernels.pass_forward[grid](
+            x, w, p, r, s, j, bsz, plan.span, scale, ROUTED=routed, BB=plan.block,
+            **(meta | {"MP": mp}), num_warps=plan.warps, num_stages=plan.stages,
+        )  # fmt: skip
+
+
+def _agreement_launch(
+    x: Tensor, w: Tensor, r: Tensor, g: Tensor, gp: Tensor, da: Tensor, scale: float,
+    routed: bool, need_p: bool, need_a: bool, plan: LaunchPlan, meta: dict,
+) -> None:  # fmt: skip
+    """:func:`kernels.pass_backward`: routed ``dP`` and ``dA``, or weighted
+    ``gp[J, B, m] = sum_{a,c} V g`` (``dR``; with ``g = scale P``, the agreement)."""
+    j, bsz = x.shape[:2]
+    grid = plan.grid(bsz) if routed else plan.parent_grid(bsz)
+    mp = plan.mp if routed else plan.parents
+    with on_device(x):
+        kernels.pass_backward[grid](
+            x, w, r, g, gp, da, j, bsz, plan.span, scale, ROUTED=routed, NEED_P=need_p,
+            NEED_A=need_a, BB=plan.block, **(meta | {"MP": mp}),
+            num_warps=plan.warps, num_stages=plan.stages,
+        )  # fmt: skip
+
+
 def _forward(
     x: Tensor, w: Tensor, p: Tensor | None, r: Tensor | None, scale: float, tiling: Sequence[int]
 ) -> tuple[Tensor, Tensor]:
@@ -104,11 +138,11 @@ def _forward(
         r = r.contiguous()
         p = s  # not read
     meta = kernel_meta(x, m, a, c, plan, s.numel(), r.numel()) | plan.pads()
-    with on_device(x):
-        kernels.pass_forward[plan.grid(bsz)](
-            x, w, p, r, s, j, bsz, plan.span, scale, ROUTED=routed, BB=plan.block, **meta,
-            num_warps=plan.warps, num_stages=plan.stages,
-        )  # fmt: skip
+    if routed and plan.wide:  # A = sum_{a,c} V (scale P) on blocks of parents, then R and S
+        _agreement_launch(x, w, r, p.to(dt) * scale, r, r, 1.0, False, True, False, plan, meta)
+        r = torch.softmax(r, dim=-1)  # [J, B, m]
+        routed = False
+    _sum_launch(x, w, p, r, s, scale, routed, plan, meta)
     s = s[0] if plan.spans == 1 else s.sum(0)  # [B, m, a, c]
     return s.to(x.dtype), r
 
@@ -146,13 +180,18 @@ def _backward(
     gw = x.new_empty(plan.w_spans, j, xd, m, c, dtype=dt) if need_w else empty
     pp = p.contiguous() if routed else gs  # P, not read by the weighted pass
     meta = kernel_meta(x, m, a, c, plan, gp.numel(), gw.numel(), r.numel()) | plan.pads()
+    if routed and plan.wide and (need_p or need_a):  # dR, dA, dP on blocks of parents
+        dr = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m]
+        _agreement_launch(x, w, r, gs, dr, da, 1.0, False, True, False, plan, meta)
+        da = r * (dr - (r * dr).sum(-1, keepdim=True))  # [J, B, m], before the scale
+        if need_p:  # dP = scale sum_J dA V: the weighted sum with R = dA
+            _sum_launch(x, w, gp, da, gp, 1.0, False, plan, meta)
+            gp = (gp[0] if plan.spans == 1 else gp.sum(0)) * scale  # [B, m, a, c]
+    elif need_p or need_a:  # first dA (routed) or dR (weighted): they need the votes
+        _agreement_launch(x, w, r, gs, gp, da, scale, routed, need_p, need_a, plan, meta)
+        if need_p and routed:
+            gp = gp[0] if plan.spans == 1 else gp.sum(0)  # [B, m, a, c]
     with on_device(x):
-        if need_p or need_a:  # first dA (routed) or dR (weighted): they need the votes
-            kernels.pass_backward[plan.grid(bsz)](
-                x, w, r, gs, gp, da, j, bsz, plan.span, scale, ROUTED=routed,
-                NEED_P=need_p, NEED_A=need_a, BB=plan.block, **meta,
-                num_warps=plan.warps, num_stages=plan.stages,
-            )  # fmt: skip
         if need_x:
             xmeta = {k: v for k, v in meta.items() if k != "MP"}
             kernels.pass_input_grad[plan.grid(bsz)](
@@ -169,8 +208,6 @@ def _backward(
             )  # fmt: skip
     if need_w:
         gw = gw[0] if plan.w_spans == 1 else gw.sum(0)  # [J, x, m, c]
-    if need_p and routed:
-        gp = gp[0] if plan.spans == 1 else gp.sum(0)  # [B, m, a, c]
     wanted = (x, w, p if routed else r)
     return tuple(
         g.to(t.dtype) if n else x.new_empty(0)

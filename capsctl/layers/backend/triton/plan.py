@@ -14,10 +14,14 @@ parent poses, ``x`` child pose width) and the inputs' element size, and gives
   programs or more where the sites alone give fewer. The forward and the first backward kernel
   also hold one child's weights ``[KP, MP*CP]`` (counted at their element size against
   float32's): their warps are the fewest that keep both the tile and the weights within
-  :data:`TILE_PER_THREAD` a thread (16 for dynamic routing's 16-wide poses in float32);
+  :data:`TILE_PER_THREAD` a thread (16 for dynamic routing's 16-wide poses in float32). Where
+  one child's weights for every parent outgrow the widest block (:data:`WEIGHTS_MAX`: 36-wide
+  vectors, ``[64, 32*64]``), those two kernels take ``MP`` in blocks of ``parents`` (a third
+  grid dimension) and the routed pass is composed of weighted launches (kernels.py);
 - for the input-gradient kernel (``dX = dV W^T``, site-major): ``MB`` parents a product, the
   most that keep the weights' block ``[MB*CP, KP]`` and the tile ``[BB, AP, MB, CP]`` within
-  :data:`TILE_PER_THREAD` a thread of 4 warps; where the kernel builds the block's votes as
+  :data:`TILE_PER_THREAD` a thread of 4 warps, and for float32 inputs a product's K
+  (``MB*CP``) of :data:`TF32X3_K` at most; where the kernel builds the block's votes as
   well (EM's input gradient: two products a block), ``MB`` keeps the tile within
   :data:`CHAINED_PER_THREAD` a thread;
 - for the weight-gradient kernel (child-major): ``BB`` sites a block, :data:`W_ROWS` pose rows
@@ -40,7 +44,9 @@ __all__ = [
     "CHAINED_PER_THREAD",
     "MMA_K",
     "PROGRAMS",
+    "TF32X3_K",
     "TILE_PER_THREAD",
+    "WEIGHTS_MAX",
     "W_ROWS",
     "LaunchPlan",
     "launch_plan",
@@ -60,6 +66,13 @@ MIN_SPAN = 8
 #: Pose rows ``(b, a)`` a block of the weight-gradient kernel sums over (its product's K).
 W_ROWS = 32
 _WARPS = (4, 8, 16)
+#: The input-gradient product's K (``MB*CP``) at most, for float32 inputs: their products run
+#: as three tf32 products (``tf32x3``), whose split operands a thread holds at once (at 256,
+#: self-routing's 32 parents of 6x6 poses, 246 registers on sm_90a; at 64, 92).
+TF32X3_K = 64
+#: One child's weights ``[KP, parents*CP]`` a site-major program holds at most, in float32
+#: elements: :data:`TILE_PER_THREAD` a thread of the widest block (16 warps).
+WEIGHTS_MAX = TILE_PER_THREAD * 32 * _WARPS[-1]
 
 
 def next_pow2(n: int) -> int:
@@ -80,6 +93,7 @@ class LaunchPlan:
     mp: int
     cp: int
     block: int  # BB of the site-major kernels
+    parents: int  # parents a program of the forward and the first backward kernel holds
     span: int  # JN: children a program of the site-major kernels loops over
     spans: int  # child spans (the grid's second dimension)
     warps: int
@@ -96,6 +110,17 @@ class LaunchPlan:
     def grid(self, bsz: int) -> tuple[int, int]:
         """The site-major kernels' grid: (site blocks, child spans)."""
         return (_cdiv(bsz, self.block), self.spans)
+
+    @property
+    def wide(self) -> bool:
+        """Whether one program of the forward and the first backward kernel holds fewer than
+        every parent, so that the routed pass is composed of weighted launches."""
+        return self.parents < self.mp
+
+    def parent_grid(self, bsz: int) -> tuple[int, int, int]:
+        """The forward's and the first backward kernel's grid: (site blocks, child spans,
+        parent blocks)."""
+        return (*self.grid(bsz), self.mp // self.parents)
 
     def w_grid(self, j: int) -> tuple[int, int, int]:
         """The weight-gradient kernel's grid: (children, site spans, parent blocks)."""
@@ -135,12 +160,15 @@ def launch_plan(
     ap, mp, cp = next_pow2(a), next_pow2(m), next_pow2(c)
     while mp * cp < 16:  # dX = dV W^T sums over (m, c): a product's K
         cp *= 2
-    per_site = ap * mp * cp
+    parents = mp  # of the forward and the first backward kernel: as many as their weights allow
+    while parents > 1 and kp * parents * cp * itemsize // 4 > WEIGHTS_MAX:
+        parents //= 2
+    per_site = ap * parents * cp
     if block:
         bb = next_pow2(block)
     else:  # as many sites as a tile of 16 elements a thread of 4 warps holds, at least one
         bb = max(1, min(next_pow2(bsz), (TILE_PER_THREAD * 32 * _WARPS[0]) // per_site))
-    weights = max(1, kp * mp * cp * itemsize // 4)  # one child's W, in float32 elements
+    weights = max(1, kp * parents * cp * itemsize // 4)  # one child's W, in float32 elements
     warps = _warps_for(max(bb * per_site, weights))
     room = TILE_PER_THREAD * 32 * _WARPS[0]
     xmb = mp
@@ -148,6 +176,8 @@ def launch_plan(
         xmb //= 2
     if xmb < mp:  # several blocks of parents: half the block (100 classes held 188 registers)
         xmb = max(1, xmb // 2)
+    while itemsize == 4 and xmb > 1 and xmb * cp > TF32X3_K:
+        xmb //= 2
     x_warps = _warps_for(max(bb * ap * xmb * cp, xmb * cp * kp * itemsize // 4))
     xvmb = xmb
     while xvmb > 1 and bb * ap * xvmb * cp > CHAINED_PER_THREAD * 32 * x_warps:
@@ -170,7 +200,8 @@ def launch_plan(
         w_span = _cdiv(_cdiv(bsz, want), w_block) * w_block
     w_warps = _warps_for(max(w_block * ap * mb * cp, kp * mb * cp))
     return LaunchPlan(
-        kp=kp, ap=ap, mp=mp, cp=cp, block=bb, span=jn, spans=_cdiv(j, jn), warps=warps,
+        kp=kp, ap=ap, mp=mp, cp=cp, block=bb, parents=parents, span=jn, spans=_cdiv(j, jn),
+        warps=warps,
         x_parents=xmb, x_warps=x_warps, xv_parents=xvmb,
         w_block=w_block, w_parents=mb, w_span=w_span,
         w_spans=_cdiv(bsz, w_span), w_warps=w_warps,

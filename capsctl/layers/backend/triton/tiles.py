@@ -35,6 +35,7 @@ __all__ = [
     "pose_rows",
     "softmax_rows",
     "to_rows",
+    "vote_block",
     "vote_tile",
     "weight_block",
     "widen",
@@ -103,24 +104,30 @@ def weight_block(j, m0, M: tl.constexpr, C: tl.constexpr, XD: tl.constexpr, I64:
 
 
 @triton.jit
+def vote_block(x_ptr, w_ptr, j, b0, b_end, B, m0, M: tl.constexpr, A: tl.constexpr,
+               C: tl.constexpr, XD: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
+               I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
+               MB: tl.constexpr, CP: tl.constexpr):  # fmt: skip
+    """Child ``j``'s votes for parents ``m0 + [0, MB)`` at sites ``b0 + [0, BB)`` (below
+    ``b_end``): ``V[(b, a), (m, c)]`` -> ``[BB, AP, MB, CP]`` in float32 (float64), one
+    ``tl.dot``; and the product's second operand, the weights ``wt[KP, N]`` (in ``DT``)."""
+    xo, xmask = pose_rows(j, b0, b_end, B, A, XD, I64, BB, KP, AP)  # [R, KP]
+    xt = tl.load(x_ptr + xo, mask=xmask, other=0.0).to(DT)  # [R, KP]
+    wo, wmask = weight_block(j, m0, M, C, XD, I64, KP, MB, CP)  # [KP, N]
+    wt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # [KP, N]
+    v = tl.dot(xt, wt, input_precision=DOT)  # [R, N]
+    return tl.reshape(v, (BB, AP, MB, CP)), wt
+
+
+@triton.jit
 def vote_tile(x_ptr, w_ptr, j, b0, b_end, B, M: tl.constexpr, A: tl.constexpr,
               C: tl.constexpr, XD: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
               I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
               MP: tl.constexpr, CP: tl.constexpr):  # fmt: skip
-    """Child ``j``'s votes at sites ``b0 + [0, BB)`` (below ``b_end``):
-    ``V[(b, a), (m, c)]`` -> ``[BB, AP, MP, CP]`` in float32 (float64), one ``tl.dot``;
-    and the product's second operand, the weights ``wt[KP, N]`` (in ``DT``)."""
-    xo, xmask = pose_rows(j, b0, b_end, B, A, XD, I64, BB, KP, AP)  # [R, KP]
-    xt = tl.load(x_ptr + xo, mask=xmask, other=0.0).to(DT)  # [R, KP]
-    kk = tl.arange(0, KP)
-    nn = tl.arange(0, MP * CP)
-    mm = nn // CP  # [N]: the column's parent
-    cc = nn % CP  # [N]: the column's pose column
-    wo = ((widen(j, I64) * XD + kk) * (M * C))[:, None] + (mm * C + cc)[None, :]  # [KP, N]
-    wmask = (kk < XD)[:, None] & ((mm < M) & (cc < C))[None, :]
-    wt = tl.load(w_ptr + wo, mask=wmask, other=0.0).to(DT)  # [KP, N]
-    v = tl.dot(xt, wt, input_precision=DOT)  # [R, N]
-    return tl.reshape(v, (BB, AP, MP, CP)), wt
+    """Child ``j``'s votes for every parent at sites ``b0 + [0, BB)`` (below ``b_end``):
+    ``[BB, AP, MP, CP]`` and the weights ``wt[KP, N]`` (:func:`vote_block` from parent 0)."""
+    return vote_block(x_ptr, w_ptr, j, b0, b_end, B, 0, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
+                      MP, CP)  # fmt: skip
 
 
 @triton.jit
