@@ -412,6 +412,28 @@ def test_the_routed_kernels_keep_the_budgets_at_dynamic_routings_widest_poses(
             assert gpu_aot.broken_budgets(out) == [], (launch.kernel, out)
 
 
+def _em_estep_launches(m: int) -> list[gpu_aot.Launch]:
+    """Float32 launches of EM's fused E-step and moments, forward and backward, at ``m``
+    parents of 6x6 poses from 6x6 child poses (few children and sites)."""
+    from capsctl.layers.backend.triton.estep_moments_ops import (
+        triton_em_estep_grads,
+        triton_em_estep_moments,
+        triton_em_estep_rowdot,
+    )
+
+    j, bsz = 4, 2
+    parent = [torch.rand(bsz, m, 6, 6) for _ in range(3)]  # q, p, shift: [B, m, a, c]
+    c, lse, act = torch.rand(bsz, m), torch.rand(bsz, j), torch.rand(bsz, j)
+    x, w = torch.rand(j, bsz, 6, 6), torch.rand(j, 6, m, 6)  # [J, B, a, x], [J, x, m, c]
+    q, p, shift = parent
+    with gpu_aot.capturing() as launches:
+        triton_em_estep_moments(q, p, c, lse, act, x, w, shift, [0, 0])
+        g = (q, p, c)  # gS1, gS2 [B, m, a, c], gmass [B, m]
+        triton_em_estep_rowdot(q, p, c, lse, act, x, w, shift, *g, [0, 0])
+        triton_em_estep_grads(q, p, c, lse, act, x, w, shift, *g, lse, [True] * 3, [0, 0])
+    return launches
+
+
 def _cifar100_widest_launches() -> list[gpu_aot.Launch]:
     """Float32 launches at the CIFAR-100 models' widest shapes (the constexprs of the real
     ones; few sites): dynamic routing's routed pass over 32 parents of 36-wide vectors,
@@ -438,7 +460,7 @@ def _cifar100_widest_launches() -> list[gpu_aot.Launch]:
             5e-4,
         )  # [2, B, d, m], [B, m, 1], [B, d, m], [m], [m]
         (mu.sum() + act.sum()).backward()
-    return launches
+    return launches + _em_estep_launches(100)
 
 
 @pytest.mark.slow
@@ -447,13 +469,17 @@ def test_the_kernels_keep_the_budgets_at_the_cifar100_models_widest_shapes(
 ) -> None:
     # on sm_90a, before: the routed forward and backward spilled up to 54 KB a thread and took
     # up to 78 s to compile (one program held a child's weights for all 32 parents), the
-    # weighted input gradient held 246 registers, the M-step 255 and spilled
+    # weighted input gradient held 246 registers, the M-step 255 and spilled, EM's E-step
+    # kernels at 100 classes spilled up to 272 bytes
     launches = _cifar100_widest_launches()
     kernels = [v.kernel for v in launches]
     # the routed pass of 36-wide vectors is weighted launches on blocks of parents
     assert kernels[:2] == ["pass_backward", "pass_forward"], kernels
     votes = [v for v in launches if v.kernel in ("pass_forward", "pass_backward")]
     assert not any(v.value("ROUTED") for v in votes)
+    # R = softmax_m(A) is taken inside the forward's weighted sum, dA inside the backward's dP
+    sums = [v.value("COEF") for v in votes if v.kernel == "pass_forward"]
+    assert sums[:2] == [1, 2], sums
     assert {"pass_input_grad", "m_step_forward", "m_step_backward"} <= set(kernels)
     with gpu_aot.Compiler(tmp_path, timeout=120) as compiler:
         for launch in {v.key: v for v in launches}.values():

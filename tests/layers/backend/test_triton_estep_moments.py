@@ -32,6 +32,9 @@ SHAPES = {
     "fc-matrix": (5, 3, 4, 4, 3, 4, None),
     "fc-vector-odd": (7, 2, 1, 6, 5, 3, None),
     "one-parent": (4, 2, 4, 4, 1, 4, None),
+    # 6x6 poses and 40 parents (64 padded): the E-step's kernels take two blocks of parents a
+    # block of sites, the second partial
+    "parent-blocks": (3, 2, 6, 6, 40, 6, None),
 }
 
 

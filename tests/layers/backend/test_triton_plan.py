@@ -59,7 +59,11 @@ def test_plans_fit_the_mma_and_the_register_budget(
     assert weights <= TILE_PER_THREAD * 32 * p.warps or p.warps == 16
     assert weights <= WEIGHTS_MAX or p.parents == 1
     assert p.mp % p.parents == 0 and p.wide == (p.parents < p.mp)
-    assert p.parent_grid(bsz) == (*p.grid(bsz), p.mp // p.parents)
+    assert p.parent_grid(bsz, m) == (p.grid(bsz)[0] * -(-m // p.parents), p.spans)
+    # EM's E-step kernels: blocks of parents whose tile fits the room of 4 warps
+    assert p.mp % p.e_parents == 0
+    assert p.block * p.ap * p.e_parents * p.cp <= TILE_PER_THREAD * 32 * 4 or p.e_parents == 1
+    assert p.e_grid(bsz, m) == (p.grid(bsz)[0] * -(-m // p.e_parents), p.spans)
     # the input gradient sums over blocks of parents that split the padded m, each block's
     # weights [MB*CP, KP] and tile within the budget of its warps
     assert p.mp % p.x_parents == 0
@@ -129,3 +133,12 @@ def test_float32_input_gradients_keep_the_products_k_small() -> None:
     sm_90a; blocks of 8 parents (K = 64) hold 92. bf16 products keep the whole block."""
     assert launch_plan(32 * 9, 128 * 25, 32, 6, 6, 6, 4).x_parents == 8
     assert launch_plan(32 * 9, 128 * 25, 32, 6, 6, 6, 2).x_parents == 32
+
+
+def test_em_e_step_kernels_split_100_parents_of_6x6_poses() -> None:
+    """cifar100-em's class layer: one program held all 128 padded parents of 6x6 poses
+    (``[1, 8, 128, 8]`` tiles, 16 warps, 128 registers a thread) and spilled on sm_90a; the
+    E-step's kernels take 32 parents a program at 4 warps. 32 parents fit in one block."""
+    p = launch_plan(32 * 25, 128, 100, 6, 6, 6, 4)
+    assert (p.mp, p.e_parents, p.e_warps, p.e_grid(128, 100)) == (128, 32, 4, (512, p.spans))
+    assert launch_plan(32 * 9, 128 * 25, 32, 6, 6, 6, 4).e_parents == 32

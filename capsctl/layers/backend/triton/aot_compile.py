@@ -59,15 +59,15 @@ WALL_FACTOR = 4.0
 WARM_UP = {
     "kernel": "pass_forward",
     "signature": {
-        **{k: "*fp32" for k in ("x_ptr", "w_ptr", "p_ptr", "r_ptr", "s_ptr")},
+        **{k: "*fp32" for k in ("x_ptr", "w_ptr", "p_ptr", "r_ptr", "q_ptr", "s_ptr")},
         **{"J": "i32", "B": "i32", "JN": "i32", "scale": "fp32"},
-        **{k: "constexpr" for k in ("M", "A", "C", "XD", "ROUTED", "ACC", "DT", "DOT", "I64")},
-        **{k: "constexpr" for k in ("BB", "KP", "AP", "MP", "CP")},
+        **{k: "constexpr" for k in ("M", "A", "C", "XD", "ROUTED", "COEF", "ACC", "DT")},
+        **{k: "constexpr" for k in ("DOT", "I64", "BB", "KP", "AP", "MP", "MF", "CP")},
     },
-    "constexprs": {"M": 1, "A": 1, "C": 16, "XD": 1, "ROUTED": False, "ACC": "tl.fp32"}
-    | {"DT": "tl.fp32", "DOT": "tf32x3", "I64": False}
-    | {"BB": 1, "KP": 8, "AP": 1, "MP": 1, "CP": 16},
-    "divisible": ["x_ptr", "w_ptr", "p_ptr", "r_ptr", "s_ptr"],
+    "constexprs": {"M": 1, "A": 1, "C": 16, "XD": 1, "ROUTED": False, "COEF": 0}
+    | {"ACC": "tl.fp32", "DT": "tl.fp32", "DOT": "tf32x3", "I64": False}
+    | {"BB": 1, "KP": 8, "AP": 1, "MP": 1, "MF": 1, "CP": 16},
+    "divisible": ["x_ptr", "w_ptr", "p_ptr", "r_ptr", "q_ptr", "s_ptr"],
 }
 _RESOURCES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

@@ -33,9 +33,11 @@ import triton.language as tl
 
 from capsctl.layers.backend.triton.em import pair_tile
 from capsctl.layers.backend.triton.tiles import (
+    block_origin,
     parent_tile,
     pose_rows,
     to_rows,
+    vote_block,
     vote_tile,
     weight_block,
     widen,
@@ -113,21 +115,21 @@ def em_estep_moments(
 ):  # fmt: skip
     """``o1, o2[span, B, m, a, c] = sum_{j in span} k U, k U^2`` and ``mass[span, B, m] =
     sum k`` with ``k = R act``, ``R`` from the E-step's operands and ``lse``."""
-    b0 = tl.program_id(0) * BB
+    b0, m0 = block_origin(M, BB, MP)
     span = tl.program_id(1)
     j_lo = span * JN
-    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     sv = tl.load(s_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     qv = tl.load(q_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-    coffs, cmask, m2 = _row_tile(b0, B, 0, M, I64, BB, MP)  # [BB, MP]
+    coffs, cmask, m2 = _row_tile(b0, B, m0, M, I64, BB, MP)  # [BB, MP]
     cv = tl.load(c_ptr + coffs, mask=cmask, other=0.0).to(ACC)
     acc1 = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # S1 of the span
     acc2 = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # S2 of the span
     accm = tl.zeros((BB, MP), dtype=ACC)  # mass of the span
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
-        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
-                         MP, CP)  # fmt: skip
+        v, _ = vote_block(x_ptr, w_ptr, j, b0, B, B, m0, M, A, C, XD, DT, DOT, I64, BB, KP,
+                          AP, MP, CP)  # fmt: skip
         u = v - sv  # [BB, AP, MP, CP]
         _, _, site = pair_tile(j, b0, B, 0, J, M, I64, BB, MP)  # [BB, 1]
         smask = site < B * J
@@ -151,22 +153,23 @@ def em_estep_rowdot(
     ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr, I64: tl.constexpr,
     BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr, MP: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """``T[B, J] = sum_m R g act`` and ``dact[B, J] = sum_m g R`` from ``gS1, gS2`` (``g1_ptr``,
+    """``T[blocks, B, J] = sum_m R g act`` and ``dact[blocks, B, J] = sum_m g R`` over each
+    block of ``MP`` parents (the launcher adds the blocks) from ``gS1, gS2`` (``g1_ptr``,
     ``g2_ptr``, ``[B, m, a, c]``) and ``gmass[B, m]``."""
-    b0 = tl.program_id(0) * BB
+    b0, m0 = block_origin(M, BB, MP)
     j_lo = tl.program_id(1) * JN
-    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     sv = tl.load(s_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     qv = tl.load(q_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     g1 = tl.load(g1_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     g2 = tl.load(g2_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-    coffs, cmask, m2 = _row_tile(b0, B, 0, M, I64, BB, MP)  # [BB, MP]
+    coffs, cmask, m2 = _row_tile(b0, B, m0, M, I64, BB, MP)  # [BB, MP]
     cv = tl.load(c_ptr + coffs, mask=cmask, other=0.0).to(ACC)
     gm = tl.load(gm_ptr + coffs, mask=cmask, other=0.0).to(ACC)
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
-        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
-                         MP, CP)  # fmt: skip
+        v, _ = vote_block(x_ptr, w_ptr, j, b0, B, B, m0, M, A, C, XD, DT, DOT, I64, BB, KP,
+                          AP, MP, CP)  # fmt: skip
         u = v - sv  # [BB, AP, MP, CP]
         _, _, site = pair_tile(j, b0, B, 0, J, M, I64, BB, MP)  # [BB, 1]
         smask = site < B * J
@@ -174,8 +177,9 @@ def em_estep_rowdot(
         act = tl.load(act_ptr + site, mask=smask, other=0.0).to(ACC)  # [BB, 1]
         r = _assignments(u, qv, pv, cv, lse, m2, M)  # [BB, MP]
         gr = _moment_grad(u, g1, g2, gm) * r  # [BB, MP]
-        tl.store(t_ptr + site, tl.sum(gr * act, axis=1)[:, None], mask=smask)
-        tl.store(gact_ptr + site, tl.sum(gr, axis=1)[:, None], mask=smask)
+        part = site + (m0 // MP) * (B * J)  # [BB, 1]: this block of parents' partial sums
+        tl.store(t_ptr + part, tl.sum(gr * act, axis=1)[:, None], mask=smask)
+        tl.store(gact_ptr + part, tl.sum(gr, axis=1)[:, None], mask=smask)
 
 
 @triton.jit
@@ -189,24 +193,24 @@ def em_estep_parent_grad(
     """``dq, dp[span, B, m, a, c] = sum_{j in span} dQ U, dQ U^2`` and ``dc[span, B, m] =
     sum dz``, with ``dz = R (g act - Tc)`` (``Tc[B, J]``: ``T`` summed over the child's
     windows) and ``dQ = -dz / 2``."""
-    b0 = tl.program_id(0) * BB
+    b0, m0 = block_origin(M, BB, MP)
     span = tl.program_id(1)
     j_lo = span * JN
-    poffs, pmask = parent_tile(b0, B, 0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
+    poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     sv = tl.load(s_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     qv = tl.load(q_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     pv = tl.load(p_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     g1 = tl.load(g1_ptr + poffs, mask=pmask, other=0.0).to(ACC)
     g2 = tl.load(g2_ptr + poffs, mask=pmask, other=0.0).to(ACC)
-    coffs, cmask, m2 = _row_tile(b0, B, 0, M, I64, BB, MP)  # [BB, MP]
+    coffs, cmask, m2 = _row_tile(b0, B, m0, M, I64, BB, MP)  # [BB, MP]
     cv = tl.load(c_ptr + coffs, mask=cmask, other=0.0).to(ACC)
     gm = tl.load(gm_ptr + coffs, mask=cmask, other=0.0).to(ACC)
     dq = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # dq of the span
     dp = tl.zeros((BB, AP, MP, CP), dtype=ACC)  # dp of the span
     dc = tl.zeros((BB, MP), dtype=ACC)  # dc of the span
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
-        v, _ = vote_tile(x_ptr, w_ptr, j, b0, B, B, M, A, C, XD, DT, DOT, I64, BB, KP, AP,
-                         MP, CP)  # fmt: skip
+        v, _ = vote_block(x_ptr, w_ptr, j, b0, B, B, m0, M, A, C, XD, DT, DOT, I64, BB, KP,
+                          AP, MP, CP)  # fmt: skip
         u = v - sv  # [BB, AP, MP, CP]
         _, _, site = pair_tile(j, b0, B, 0, J, M, I64, BB, MP)  # [BB, 1]
         smask = site < B * J

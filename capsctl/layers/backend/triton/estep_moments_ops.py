@@ -17,6 +17,7 @@ J]``, ``x[J, B, a, x]``, ``w[J, x, m, c]``. Sums in float32 (float64 for float64
 from __future__ import annotations
 
 import torch
+import triton
 from torch import Tensor
 
 from capsctl.layers.backend.triton import em_estep
@@ -31,12 +32,13 @@ __all__ = [
 ]
 
 
-# warps the backward's operand-gradient kernel and the forward's moments kernel take beyond
-# their plan's: the first keeps five parent-sized tiles live (the shift, q, p, gS1, gS2)
-# besides its two sums and the votes, the second its two sums, the votes, the shift and the
-# quadratic form's operands: about twice the routed pass's, so that twice the warps keep a
-# thread within the register budget (sm_90a: 223 registers a thread with the plan's warps, 128
-# with twice as many; the moments of 32 parents of 6x6 poses 177, and 108)
+# warps the E-step's kernels take beyond their plan's: the backward's operand-gradient kernel
+# keeps five parent-sized tiles live (the shift, q, p, gS1, gS2) besides its two sums and the
+# votes, the moments their two sums, the votes, the shift and the quadratic form's operands,
+# the backward's first kernel the shift, q, p, gS1 and gS2: about twice the routed pass's, so
+# that twice the warps keep a thread within the register budget (sm_90a: 223 registers a
+# thread with the plan's warps, 128 with twice as many; at 32 parents of 6x6 poses the moments
+# 177 and 108, the first backward kernel 176 and 110)
 _WIDER = 2
 _MAX_WARPS = 16
 
@@ -102,10 +104,11 @@ def triton_em_estep_moments(
     o1, o2 = o.unbind(0)  # the kernel's [spans, B, m, a, c] each
     mass = x.new_empty(plan.spans, bsz, m, dtype=dt)  # [spans, B, m]
     meta = {k: v for k, v in em_meta(x, w, plan, False, o1.numel()).items() if k != "QUAD"}
+    meta["MP"] = plan.e_parents
     with on_device(x):
-        em_estep.em_estep_moments[plan.grid(bsz)](
+        em_estep.em_estep_moments[plan.e_grid(bsz, m)](
             x, w, shift, q, p, c, lse, act, o1, o2, mass, j, bsz, plan.span, BB=plan.block,
-            **meta, num_warps=_wider(plan.warps), num_stages=plan.stages,
+            **meta, num_warps=_wider(plan.e_warps), num_stages=plan.stages,
         )  # fmt: skip
     s = o[:, 0] if o.shape[1] == 1 else o.sum(1)  # [2, B, m, a, c]
     return s.to(x.dtype), _span_sum(mass).to(x.dtype)
@@ -136,15 +139,18 @@ def triton_em_estep_rowdot(
     q, p, c, lse, act, x, w, shift, g1, g2, gm = _ready(q, p, c, lse, act, x, w, shift, g1, g2, gm)
     j, bsz = x.shape[:2]
     dt = acc_dtype(x)[0]
-    t, dact = (x.new_empty(bsz, j, dtype=dt) for _ in range(2))  # [B, J] each
     plan = em_plan(x, w, tiling)
+    m = w.shape[2]
+    blocks = triton.cdiv(m, plan.e_parents)
+    t, dact = (x.new_empty(blocks, bsz, j, dtype=dt) for _ in range(2))  # [blocks, B, J] each
     meta = {k: v for k, v in em_meta(x, w, plan, False, t.numel()).items() if k != "QUAD"}
+    meta["MP"] = plan.e_parents
     with on_device(x):
-        em_estep.em_estep_rowdot[plan.grid(bsz)](
+        em_estep.em_estep_rowdot[plan.e_grid(bsz, m)](
             x, w, shift, q, p, c, lse, act, g1, g2, gm, t, dact, j, bsz, plan.span,
-            BB=plan.block, **meta, num_warps=plan.warps, num_stages=plan.stages,
+            BB=plan.block, **meta, num_warps=_wider(plan.e_warps), num_stages=plan.stages,
         )  # fmt: skip
-    return t, dact
+    return _span_sum(t), _span_sum(dact)  # [B, J] each
 
 
 @triton_em_estep_rowdot.register_fake
@@ -189,9 +195,10 @@ def triton_em_estep_grads(
             dq = x.new_empty(plan.spans, bsz, m, a, cc, dtype=dt)  # [spans, B, m, a, c]
             dp = torch.empty_like(dq)
             dc = x.new_empty(plan.spans, bsz, m, dtype=dt)  # [spans, B, m]
-            em_estep.em_estep_parent_grad[plan.grid(bsz)](
-                *args, dq, dp, dc, j, bsz, plan.span, BB=plan.block, **meta,
-                num_warps=_wider(plan.warps), num_stages=plan.stages,
+            em_estep.em_estep_parent_grad[plan.e_grid(bsz, m)](
+                *args, dq, dp, dc, j, bsz, plan.span, BB=plan.block,
+                **(meta | {"MP": plan.e_parents}), num_warps=_wider(plan.e_warps),
+                num_stages=plan.stages,
             )  # fmt: skip
             dq, dp, dc = (_span_sum(t).to(x.dtype) for t in (dq, dp, dc))
         if needs[1]:

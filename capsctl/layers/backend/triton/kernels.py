@@ -4,11 +4,12 @@ products (tiles.py) and never stored, every sum kept in registers and written on
 Letters and layouts as in capsctl/layers/passes/routed.py and tiles.py. Four kernels, none
 with an atomic:
 
-- :func:`pass_forward` (grid: site blocks x child spans x parent blocks). A program owns ``BB``
+- :func:`pass_forward` (grid: site blocks x parent blocks, child spans). A program owns ``BB``
   parent sites and ``MP`` parents (all of them, unless one child's weights for all of them
   outgrow a program: plan.py) and loops over its span of ``JN`` children; per child it builds
   the votes ``V[BB, a, m, c]`` (one ``tl.dot``), then routed (``ROUTED``):
-  ``A = scale * sum_{a,c} V P``, ``R = softmax_m(A)`` (stored); weighted: ``R`` read.
+  ``A = scale * sum_{a,c} V P``, ``R = softmax_m(A)`` (stored); weighted: ``R`` read, or made
+  from the rows ``[J, B, m]`` of the agreement or of ``R`` and ``dR`` (below).
   ``S += R V`` stays in registers; the program writes its span's sum once, to
   ``S[span, B, m, a, c]`` (the launcher adds the spans).
 - :func:`pass_backward` (same grid), from ``G = d loss / d S``: the votes again,
@@ -25,11 +26,14 @@ with an atomic:
   span's ``dW[span, J, x, m, c]`` once (the launcher adds the spans).
 
 The routed forward and backward need every parent of a child in one program (the softmax over
-``m``). Where a block holds fewer, ops.py composes the routed pass from the weighted one's
-kernels, each on blocks of parents: the agreement is :func:`pass_backward`'s ``dR`` with
-``G = scale P`` and ``S`` the weighted forward (softmax between them, on ``[J, B, m]``); in the
-backward ``dR``, then ``dA`` (on ``[J, B, m]``), then ``dP`` as the weighted forward with
-``R = dA``.
+``m``). Where a block holds fewer, ops.py composes the routed pass of two launches each way,
+both on blocks of parents: forward, the agreement ``A[J, B, m]`` (weighted
+:func:`pass_backward` with ``G = P``, times ``scale``), then :func:`pass_forward` with
+``COEF = 1``: each program reads its children's rows of ``A``, takes ``R = softmax_m(A)`` of
+its block (stored) and sums ``S``; backward, ``dR`` (weighted :func:`pass_backward`), then
+:func:`pass_forward` with ``COEF = 2``: ``dA = R (dR - sum_m R dR)`` of its block (stored)
+and ``dP = scale sum_j dA V``. The votes are built twice each way, no ``[J, B, m]`` operator
+runs between the launches.
 
 Masks cut the padded dimensions (tiles.py) and the sites past a program's span.
 """
@@ -40,6 +44,7 @@ import triton
 import triton.language as tl
 
 from capsctl.layers.backend.triton.tiles import (
+    block_origin,
     coef_tile,
     parent_tile,
     pose_rows,
@@ -53,19 +58,48 @@ __all__ = ["pass_backward", "pass_forward", "pass_input_grad", "pass_weight_grad
 
 
 @triton.jit
+def _coefficients(r_ptr, p_ptr, q_ptr, j, b0, B, m0, M: tl.constexpr, COEF: tl.constexpr,
+                 ACC: tl.constexpr, I64: tl.constexpr, BB: tl.constexpr, MP: tl.constexpr,
+                 MF: tl.constexpr):  # fmt: skip
+    """Child ``j``'s coefficients ``[BB, MP]`` for the weighted sum of the program's block
+    (sites ``b0``, parents ``m0``), from rows ``[J, B, m]`` over all ``MF`` (padded) parents:
+    ``COEF`` 0: ``R`` read from ``r_ptr``; 1: ``R = softmax_m(A)`` of the agreement ``A`` in
+    ``r_ptr``, stored to ``q_ptr``; 2: ``dA = R (dR - sum_m R dR)`` of ``R`` in ``r_ptr`` and
+    ``dR`` in ``p_ptr``, stored to ``q_ptr``. A program reads its whole row for the sums over
+    ``m`` and writes only its block."""
+    roffs, rmask, _ = coef_tile(j, b0, B, m0, B, M, I64, BB, MP)  # [BB, MP]
+    r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
+    if COEF != 0:
+        foffs, fmask, f2 = coef_tile(j, b0, B, 0, B, M, I64, BB, MF)  # [BB, MF]: the rows
+        row = tl.load(r_ptr + foffs, mask=fmask, other=0.0).to(ACC)  # [BB, MF]
+        if COEF == 1:
+            row = tl.where(f2 < M, row, float("-inf"))
+            top = tl.max(row, axis=1)  # [BB]
+            den = tl.sum(tl.exp(row - top[:, None]), axis=1)  # [BB]
+            r = tl.exp(r - top[:, None]) / den[:, None]  # [BB, MP]
+        else:
+            drow = tl.load(p_ptr + foffs, mask=fmask, other=0.0).to(ACC)  # [BB, MF]
+            t = tl.sum(row * drow, axis=1)  # [BB]: sum_m R dR
+            dr = tl.load(p_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
+            r = r * (dr - t[:, None])  # [BB, MP]
+        tl.store(q_ptr + roffs, r, mask=rmask)
+    return r
+
+
+@triton.jit
 def pass_forward(
-    x_ptr, w_ptr, p_ptr, r_ptr, s_ptr, J, B, JN, scale,
+    x_ptr, w_ptr, p_ptr, r_ptr, q_ptr, s_ptr, J, B, JN, scale,
     M: tl.constexpr, A: tl.constexpr, C: tl.constexpr, XD: tl.constexpr,
-    ROUTED: tl.constexpr, ACC: tl.constexpr, DT: tl.constexpr, DOT: tl.constexpr,
-    I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
-    MP: tl.constexpr, CP: tl.constexpr,
+    ROUTED: tl.constexpr, COEF: tl.constexpr, ACC: tl.constexpr, DT: tl.constexpr,
+    DOT: tl.constexpr, I64: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr, AP: tl.constexpr,
+    MP: tl.constexpr, MF: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
     """``S[span, B, m, a, c] = sum_{j in span} R V`` of the program's sites and block of ``MP``
     parents; ``ROUTED`` (one block holds every parent): ``R`` from the agreement with ``P``
-    (written to ``r_ptr``), else read from ``r_ptr``."""
-    b0 = tl.program_id(0) * BB
+    (written to ``r_ptr``), else the coefficients of :func:`_coefficients` (``COEF``; 2: the sum
+    times ``scale``, ``dP``)."""
+    b0, m0 = block_origin(M, BB, MP)
     span = tl.program_id(1)
-    m0 = tl.program_id(2) * MP
     j_lo = span * JN
     poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     if ROUTED:
@@ -74,14 +108,16 @@ def pass_forward(
     for j in range(j_lo, tl.minimum(j_lo + JN, J)):
         v, _ = vote_block(x_ptr, w_ptr, j, b0, B, B, m0, M, A, C, XD, DT, DOT, I64, BB, KP,
                           AP, MP, CP)  # fmt: skip
-        roffs, rmask, m2 = coef_tile(j, b0, B, m0, B, M, I64, BB, MP)  # [BB, MP]
         if ROUTED:
+            roffs, rmask, m2 = coef_tile(j, b0, B, m0, B, M, I64, BB, MP)  # [BB, MP]
             logit = tl.sum(tl.sum(v * pv, axis=3), axis=1)  # [BB, MP]
             r = softmax_rows(logit, m2, M)  # [BB, MP]
             tl.store(r_ptr + roffs, r, mask=rmask)
         else:
-            r = tl.load(r_ptr + roffs, mask=rmask, other=0.0).to(ACC)  # [BB, MP]
+            r = _coefficients(r_ptr, p_ptr, q_ptr, j, b0, B, m0, M, COEF, ACC, I64, BB, MP, MF)
         acc += r[:, None, :, None] * v  # [BB, AP, MP, CP]
+    if COEF == 2:
+        acc = acc * scale
     s_offs = widen(span, I64) * B * (M * A * C) + poffs
     tl.store(s_ptr + s_offs, acc, mask=pmask)
 
@@ -97,11 +133,10 @@ def pass_backward(
 ):  # fmt: skip
     """From ``G[B, m, a, c]`` (``g_ptr``), of the program's sites and block of ``MP`` parents:
     routed (one block holds every parent): ``dP[span, B, m, a, c]`` written once per span
-    (``NEED_P``) and ``dA[J, B, m]`` stored (``NEED_A``); weighted: ``dR[J, B, m]`` stored
-    (``NEED_P``, in ``gp_ptr``)."""
-    b0 = tl.program_id(0) * BB
+    (``NEED_P``) and ``dA[J, B, m]`` stored (``NEED_A``); weighted: ``scale dR[J, B, m]``
+    stored (``NEED_P``, in ``gp_ptr``; with ``G = P``, the agreement)."""
+    b0, m0 = block_origin(M, BB, MP)
     span = tl.program_id(1)
-    m0 = tl.program_id(2) * MP
     j_lo = span * JN
     poffs, pmask = parent_tile(b0, B, m0, M, A, C, I64, BB, AP, MP, CP)  # [BB, AP, MP, CP]
     gv = tl.load(g_ptr + poffs, mask=pmask, other=0.0).to(ACC)  # [BB, AP, MP, CP]
@@ -119,7 +154,7 @@ def pass_backward(
             if NEED_A:
                 tl.store(da_ptr + roffs, da, mask=rmask)  # dA[J, B, m]
         elif NEED_P:
-            tl.store(gp_ptr + roffs, dr, mask=rmask)  # dR[J, B, m]
+            tl.store(gp_ptr + roffs, dr * scale, mask=rmask)  # dR[J, B, m]
     if ROUTED and NEED_P:
         gp_offs = widen(span, I64) * B * (M * A * C) + poffs
         tl.store(gp_ptr + gp_offs, gp * scale, mask=pmask)

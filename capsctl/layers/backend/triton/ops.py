@@ -87,19 +87,18 @@ def kernel_meta(x: Tensor, m: int, a: int, c: int, plan: LaunchPlan, *numels: in
 
 
 def _sum_launch(
-    x: Tensor, w: Tensor, p: Tensor, r: Tensor, s: Tensor, scale: float, routed: bool,
-    plan: LaunchPlan, meta: dict,
+    x: Tensor, w: Tensor, p: Tensor, r: Tensor, q: Tensor, s: Tensor, scale: float,
+    routed: bool, coef: int, plan: LaunchPlan, meta: dict,
 ) -> None:  # fmt: skip
     """:func:`kernels.pass_forward` into ``s[spans, B, m, a, c]``: routed (``r`` written) or
-    weighted by ``r[J, B, m]`` (``p`` not read), one program a block of sites, child span and,
-    weighted, block of parents."""
+    weighted by the coefficients ``coef`` says (kernels.py: ``r``; the softmax of the agreement
+    in ``r``, stored to ``q``; ``dA`` of ``R`` in ``r`` and ``dR`` in ``p``, stored to ``q``)."""
     j, bsz = x.shape[:2]
-    grid = plan.grid(bsz) if routed else plan.parent_grid(bsz)
-    mp = plan.mp if routed else plan.parents
     with on_device(x):
-        kernels.pass_forward[grid](
-            x, w, p, r, s, j, bsz, plan.span, scale, ROUTED=routed, BB=plan.block,
-            **(meta | {"MP": mp}), num_warps=plan.warps, num_stages=plan.stages,
+        kernels.pass_forward[plan.parent_grid(bsz, w.shape[2])](
+            x, w, p, r, q, s, j, bsz, plan.span, scale, ROUTED=routed, COEF=coef,
+            BB=plan.block, **(meta | {"MP": plan.parents, "MF": plan.mp}),
+            num_warps=plan.warps, num_stages=plan.stages,
         )  # fmt: skip
 
 
@@ -108,14 +107,12 @@ def _agreement_launch(
     routed: bool, need_p: bool, need_a: bool, plan: LaunchPlan, meta: dict,
 ) -> None:  # fmt: skip
     """:func:`kernels.pass_backward`: routed ``dP`` and ``dA``, or weighted
-    ``gp[J, B, m] = sum_{a,c} V g`` (``dR``; with ``g = scale P``, the agreement)."""
+    ``gp[J, B, m] = scale sum_{a,c} V g`` (``dR``; with ``g = P``, the agreement)."""
     j, bsz = x.shape[:2]
-    grid = plan.grid(bsz) if routed else plan.parent_grid(bsz)
-    mp = plan.mp if routed else plan.parents
     with on_device(x):
-        kernels.pass_backward[grid](
+        kernels.pass_backward[plan.parent_grid(bsz, w.shape[2])](
             x, w, r, g, gp, da, j, bsz, plan.span, scale, ROUTED=routed, NEED_P=need_p,
-            NEED_A=need_a, BB=plan.block, **(meta | {"MP": mp}),
+            NEED_A=need_a, BB=plan.block, **(meta | {"MP": plan.parents}),
             num_warps=plan.warps, num_stages=plan.stages,
         )  # fmt: skip
 
@@ -138,11 +135,12 @@ def _forward(
         r = r.contiguous()
         p = s  # not read
     meta = kernel_meta(x, m, a, c, plan, s.numel(), r.numel()) | plan.pads()
-    if routed and plan.wide:  # A = sum_{a,c} V (scale P) on blocks of parents, then R and S
-        _agreement_launch(x, w, r, p.to(dt) * scale, r, r, 1.0, False, True, False, plan, meta)
-        r = torch.softmax(r, dim=-1)  # [J, B, m]
-        routed = False
-    _sum_launch(x, w, p, r, s, scale, routed, plan, meta)
+    if routed and plan.wide:  # A = scale sum_{a,c} V P, then R = softmax_m(A) and S
+        agreement = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m]
+        _agreement_launch(x, w, r, p, agreement, r, scale, False, True, False, plan, meta)
+        _sum_launch(x, w, s, agreement, r, s, scale, False, 1, plan, meta)
+    else:
+        _sum_launch(x, w, p, r, s, s, scale, routed, 0, plan, meta)
     s = s[0] if plan.spans == 1 else s.sum(0)  # [B, m, a, c]
     return s.to(x.dtype), r
 
@@ -180,13 +178,15 @@ def _backward(
     gw = x.new_empty(plan.w_spans, j, xd, m, c, dtype=dt) if need_w else empty
     pp = p.contiguous() if routed else gs  # P, not read by the weighted pass
     meta = kernel_meta(x, m, a, c, plan, gp.numel(), gw.numel(), r.numel()) | plan.pads()
-    if routed and plan.wide and (need_p or need_a):  # dR, dA, dP on blocks of parents
+    if routed and plan.wide and (need_p or need_a):  # dR, then dA and dP = scale sum_J dA V
         dr = x.new_empty(j, bsz, m, dtype=dt)  # [J, B, m]
         _agreement_launch(x, w, r, gs, dr, da, 1.0, False, True, False, plan, meta)
-        da = r * (dr - (r * dr).sum(-1, keepdim=True))  # [J, B, m], before the scale
-        if need_p:  # dP = scale sum_J dA V: the weighted sum with R = dA
-            _sum_launch(x, w, gp, da, gp, 1.0, False, plan, meta)
-            gp = (gp[0] if plan.spans == 1 else gp.sum(0)) * scale  # [B, m, a, c]
+        if need_p:
+            da = x.new_empty(j, bsz, m, dtype=dt) if not need_a else da  # [J, B, m]
+            _sum_launch(x, w, dr, r, da, gp, scale, False, 2, plan, meta)
+            gp = gp[0] if plan.spans == 1 else gp.sum(0)  # [B, m, a, c]
+        else:  # dA alone (P takes no gradient)
+            da = r * (dr - (r * dr).sum(-1, keepdim=True))  # [J, B, m], before the scale
     elif need_p or need_a:  # first dA (routed) or dR (weighted): they need the votes
         _agreement_launch(x, w, r, gs, gp, da, scale, routed, need_p, need_a, plan, meta)
         if need_p and routed:

@@ -16,8 +16,13 @@ parent poses, ``x`` child pose width) and the inputs' element size, and gives
   float32's): their warps are the fewest that keep both the tile and the weights within
   :data:`TILE_PER_THREAD` a thread (16 for dynamic routing's 16-wide poses in float32). Where
   one child's weights for every parent outgrow the widest block (:data:`WEIGHTS_MAX`: 36-wide
-  vectors, ``[64, 32*64]``), those two kernels take ``MP`` in blocks of ``parents`` (a third
-  grid dimension) and the routed pass is composed of weighted launches (kernels.py);
+  vectors, ``[64, 32*64]``), those two kernels take ``MP`` in blocks of ``parents`` (the
+  grid's first dimension counts them fastest) and the routed pass is composed of two
+  launches each way (kernels.py);
+- for EM's E-step kernels (em_estep.py; the assignments need no sum over ``m`` once the
+  log-normalizer is known): ``e_parents`` parents a program, the most that keep the tile
+  ``[BB, AP, e_parents, CP]`` within :data:`TILE_PER_THREAD` a thread of 4 warps (all 128
+  padded parents of 100 classes of 6x6 poses spilled at 16 warps);
 - for the input-gradient kernel (``dX = dV W^T``, site-major): ``MB`` parents a product, the
   most that keep the weights' block ``[MB*CP, KP]`` and the tile ``[BB, AP, MB, CP]`` within
   :data:`TILE_PER_THREAD` a thread of 4 warps, and for float32 inputs a product's K
@@ -97,6 +102,8 @@ class LaunchPlan:
     span: int  # JN: children a program of the site-major kernels loops over
     spans: int  # child spans (the grid's second dimension)
     warps: int
+    e_parents: int  # parents a program of EM's E-step kernels holds (em_estep.py)
+    e_warps: int
     x_parents: int  # MB: parents a product of the input-gradient kernel sums over
     x_warps: int
     xv_parents: int  # MB of an input-gradient kernel that builds the block's votes too
@@ -117,10 +124,15 @@ class LaunchPlan:
         every parent, so that the routed pass is composed of weighted launches."""
         return self.parents < self.mp
 
-    def parent_grid(self, bsz: int) -> tuple[int, int, int]:
-        """The forward's and the first backward kernel's grid: (site blocks, child spans,
-        parent blocks)."""
-        return (*self.grid(bsz), self.mp // self.parents)
+    def parent_grid(self, bsz: int, m: int) -> tuple[int, int]:
+        """The forward's and the first backward kernel's grid for ``m`` parents: (site blocks
+        times blocks of :attr:`parents`, the latter counted fastest; child spans)."""
+        return (_cdiv(bsz, self.block) * _cdiv(m, self.parents), self.spans)
+
+    def e_grid(self, bsz: int, m: int) -> tuple[int, int]:
+        """EM's E-step kernels' grid for ``m`` parents: (site blocks times blocks of
+        :attr:`e_parents`, counted fastest; child spans)."""
+        return (_cdiv(bsz, self.block) * _cdiv(m, self.e_parents), self.spans)
 
     def w_grid(self, j: int) -> tuple[int, int, int]:
         """The weight-gradient kernel's grid: (children, site spans, parent blocks)."""
@@ -171,6 +183,12 @@ def launch_plan(
     weights = max(1, kp * parents * cp * itemsize // 4)  # one child's W, in float32 elements
     warps = _warps_for(max(bb * per_site, weights))
     room = TILE_PER_THREAD * 32 * _WARPS[0]
+    # EM's E-step (its assignments need no sum over m once the log-normalizer is known): a
+    # block of sites' tile within 4 warps' room
+    emb = mp
+    while emb > 1 and bb * ap * emb * cp > room:
+        emb //= 2
+    e_warps = _warps_for(bb * ap * emb * cp)
     xmb = mp
     while xmb > 1 and (xmb * cp * kp * itemsize // 4 > room or bb * ap * xmb * cp > room):
         xmb //= 2
@@ -202,7 +220,7 @@ def launch_plan(
     return LaunchPlan(
         kp=kp, ap=ap, mp=mp, cp=cp, block=bb, parents=parents, span=jn, spans=_cdiv(j, jn),
         warps=warps,
-        x_parents=xmb, x_warps=x_warps, xv_parents=xvmb,
+        e_parents=emb, e_warps=e_warps, x_parents=xmb, x_warps=x_warps, xv_parents=xvmb,
         w_block=w_block, w_parents=mb, w_span=w_span,
         w_spans=_cdiv(bsz, w_span), w_warps=w_warps,
     )  # fmt: skip

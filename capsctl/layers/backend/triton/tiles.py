@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "block_origin",
     "coef_tile",
     "parent_tile",
     "pose_rows",
@@ -48,6 +49,17 @@ def widen(i, I64: tl.constexpr):
     if I64:
         return i.to(tl.int64)
     return i
+
+
+@triton.jit
+def block_origin(M: tl.constexpr, BB: tl.constexpr, MP: tl.constexpr):
+    """The first site and the first parent of the program's block of ``BB`` sites and ``MP``
+    parents: ``program_id(0)`` counts the blocks of parents fastest (those of one block of
+    sites run side by side and share its child poses through L2), ``cdiv(M, MP)`` of them a
+    block of sites."""
+    blocks: tl.constexpr = (M + MP - 1) // MP
+    pid = tl.program_id(0)
+    return (pid // blocks) * BB, (pid % blocks) * MP
 
 
 @triton.jit
