@@ -12,8 +12,10 @@ Every pass of capsctl/layers/passes/ has up to four implementations of the same 
 - ``chunked``: the chunked autograd functions as torch code, tile by tile of parent sites, the
   votes never kept (capsctl/layers/passes/tiles.py);
 - ``dense``: one torch expression over the whole batch (the votes materialized), for tracing
-  and ``torch.compile`` where no fused pass runs: the chunked code loops over the batch in
-  Python, which tracing would unroll and specialize to one batch size.
+  and ``torch.compile`` where no fused pass runs (the chunked code loops over the batch in
+  Python, which tracing would unroll and specialize to one batch size), and on a CUDA device
+  where a pass that gives its vote sizes finds it cheaper than the fused kernels by the cost
+  model of capsctl/layers/backend/cost.py, within its memory budget.
 
 A pass asks :func:`choose` once with its tensors and gets its whole plan, a :class:`Choice`:
 the backend, why no faster one runs (:attr:`Choice.reason`), the parent sites per tile fixed
@@ -47,6 +49,7 @@ from torch import Tensor
 from capsctl.environment import switch
 from capsctl.layers.backend import native
 from capsctl.layers.backend import triton as triton_backend
+from capsctl.layers.backend.cost import VoteShape, cuda_path, dense_budget
 
 __all__ = [
     "BACKENDS",
@@ -105,12 +108,14 @@ class Choice:
     no faster backend runs ("" for ``native``); ``sites``: parent sites per tile of a chunked
     pass fixed by :func:`use` (0: by the chunk budget of capsctl/layers/backend/chunks.py);
     ``dtype``: the dtype the pass runs in where :func:`choose` was given an autocast dtype
-    (None: its inputs' own)."""
+    (None: its inputs' own); ``modelled``: fused or dense on a CUDA device as the cost model
+    (capsctl/layers/backend/cost.py) chose them, ``reason`` giving both modelled times."""
 
     backend: str
     reason: str = ""
     sites: int = 0
     dtype: torch.dtype | None = None
+    modelled: bool = False  # chosen by the cost model of capsctl/layers/backend/cost.py
 
 
 @contextlib.contextmanager
@@ -197,16 +202,20 @@ def _chosen(choice: Choice) -> Choice:
     return choice
 
 
-def choose(*tensors: Tensor, autocast: torch.dtype | None = None) -> Choice:
+def choose(
+    *tensors: Tensor, autocast: torch.dtype | None = None, votes: VoteShape | None = None
+) -> Choice:
     """The plan of one pass over ``tensors`` (its inputs, as the pass will read them), counted
     in :func:`ran`: a pass asks once and hands the answer on. ``autocast``: the 16-bit dtype
     of an autocast block the pass runs in; the choice's ``dtype`` then says what to cast the
-    inputs to (that dtype where the Triton kernels take it, else float32)."""
+    inputs to (that dtype where the Triton kernels take it, else float32). ``votes``: the
+    pass's vote sizes, for which a CUDA device runs the fused kernels or the dense expression,
+    whichever the cost model finds cheaper (capsctl/layers/backend/cost.py)."""
     specs = [(t.device, t.dtype) for t in tensors]
     if autocast is None:
-        return _chosen(_decide(specs))
-    low = _decide([(dev, autocast) for dev, _ in specs])
-    if low.backend == "triton":
+        return _chosen(_decide(specs, votes))
+    low = _decide([(dev, autocast) for dev, _ in specs], votes)
+    if low.backend == "triton" or low.modelled:
         return _chosen(replace(low, dtype=autocast))
     return _chosen(
         replace(_decide([(dev, torch.float32) for dev, _ in specs]), dtype=torch.float32)
@@ -227,10 +236,16 @@ def expected(device: torch.device | str) -> Choice:
     """The backend a float32 pass on ``device`` runs outside any :func:`use` block, and why no
     faster one does (for the training header and ``capsctl bench``); not counted in
     :func:`ran`."""
-    return _decide([(torch.device(device), torch.float32)])
+    device = torch.device(device)
+    choice = _decide([(device, torch.float32)])
+    if choice.backend == "triton" and device.type == "cuda":
+        budget = dense_budget() / (1 << 30)
+        return replace(choice, reason=f"a pass takes materialized votes where the cost model "
+                       f"finds them cheaper and within {budget:.2g} GiB")  # fmt: skip
+    return choice
 
 
-def _decide(specs: list[_Spec]) -> Choice:
+def _decide(specs: list[_Spec], votes: VoteShape | None = None) -> Choice:
     """The backend of a pass over inputs of these devices and dtypes (see :func:`choose`)."""
     blocks = _blocks()
     if blocks.dense:
@@ -247,6 +262,9 @@ def _decide(specs: list[_Spec]) -> Choice:
     if blocks.chunked:
         return Choice("chunked", 'inside use("chunked")', sites)
     if not why_not_triton:
+        if votes is not None and specs[0][0].type == "cuda" and not blocks.triton:
+            backend, reason = cuda_path(votes, specs[0][1].itemsize)
+            return Choice(backend, reason, modelled=True)
         return Choice("triton")
     if not all(dev.type == "cpu" and dt == torch.float32 for dev, dt in specs):
         reason = "the compiled loops take float32 tensors on a CPU only"

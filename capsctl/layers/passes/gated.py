@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from capsctl.layers.backend import bindings
+from capsctl.layers.backend.cost import VoteShape
 from capsctl.layers.backend.dispatch import choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import parent_major, prepare, site_major, unprepare_weights
@@ -143,7 +144,8 @@ def gated_pass(
     j, bsz, a, xd = x.shape
     choice = None  # asked once
     if chunk_sites is None:
-        choice = choose(act, x, w, wr, br, autocast=autocast)
+        votes = VoteShape.of(x.shape, w.shape)
+        choice = choose(act, x, w, wr, br, autocast=autocast, votes=votes)
     if choice is not None and choice.backend == "native":
         m, c = w.shape[2], w.shape[3]
         add_routing_flops(2 * j * bsz * a * xd * m)  # the logits (a matrix product in the pass)
@@ -159,7 +161,7 @@ def gated_pass(
     else:
         coef, mass = gate(routing_logits(xj, wr, br), act)  # [J, B, m] each
     total = mass.sum(0)  # [B, m]: sum_i c_ij a_i
-    low = choice.dtype if triton else None
+    low = choice.dtype if choice is not None and (triton or choice.modelled) else None
     if low is not None and low != x.dtype:
         x, w = x.to(low), w.to(low)  # the votes in 16 bits; the mass stays float32
     u = weighted_pass(x, w, mass, chunk_sites, choice)  # [B, m, a, c]

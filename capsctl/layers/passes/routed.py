@@ -57,6 +57,7 @@ from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans, tile_plan
+from capsctl.layers.backend.cost import VoteShape
 from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
@@ -262,7 +263,7 @@ def routed_pass(
     j, bsz, a, _ = x.shape
     # the agreement and the weighted sum: J*B*m*d multiply-accumulates each
     add_routing_flops(2 * 2 * j * bsz * w.shape[2] * a * w.shape[3])
-    choice = choice or choose(x, w, p)
+    choice = choice or choose(x, w, p, votes=VoteShape.of(x.shape, w.shape))
     if choice.backend == "dense":
         s, r = routed_pass_dense(x, w, p, scale)
         return s, r.detach()
@@ -292,7 +293,8 @@ def routed_pass_under_autocast(
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return routed_pass(x, w, p, scale)
-    choice = choose(x, w, p, autocast=torch.get_autocast_dtype(device))
+    votes = VoteShape.of(x.shape, w.shape)
+    choice = choose(x, w, p, autocast=torch.get_autocast_dtype(device), votes=votes)
     dt = choice.dtype
     with torch.autocast(device_type=device, enabled=False):
         return routed_pass(x.to(dt), w.to(dt), p.to(dt), scale, choice)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from capsctl.layers.backend import bindings
 from capsctl.layers.backend.chunks import run_spans, tile_plan
+from capsctl.layers.backend.cost import VoteShape
 from capsctl.layers.backend.dispatch import Choice, choose, run_fused
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import (
@@ -144,7 +145,7 @@ def weighted_pass(
     capsctl/layers/backend/dispatch.py already (else it is asked here, once)."""
     j, bsz, a, _ = x.shape
     add_routing_flops(2 * j * bsz * w.shape[2] * a * w.shape[3])  # the weighted sum
-    choice = choice or choose(x, w, r)
+    choice = choice or choose(x, w, r, votes=VoteShape.of(x.shape, w.shape))
     if choice.backend == "dense":
         return weighted_pass_dense(x, w, r)
     if choice.backend == "triton":  # the fused kernels (capsctl/layers/backend/triton/)
