@@ -366,7 +366,9 @@ def test_one_variant_per_router_compiles_for_sm_90a_with_a_well_formed_row(
         assert row["dtype"] == "float32" and row["precisions"] == ["float32"]
         assert 0 < row["registers"] <= 255
         assert all(isinstance(row[k], int) and row[k] >= 0 for k in FIELDS), row
-        assert row["atomics"] >= row["acq_rel_atomics"] and row["num_warps"] == 4
+        assert row["atomics"] >= row["acq_rel_atomics"]
+        # EM's E-step kernels take twice their plan's warps (estep_moments_ops.py)
+        assert row["num_warps"] == (8 if row["router"] == "em" else 4)
         assert 0 < row["compile_s"] < 120 and row["modelled_us"] >= 5.0
         assert row["flop_rate"] == ("tf32" if row["mma"] else "fp32")
         assert isinstance(row["broken"], list) and row["shapes"][0]["bytes"] > 0
