@@ -67,9 +67,11 @@ class VoteShape:
 
     @classmethod
     def of(cls, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> VoteShape:
-        """From the child poses ``x[J, B, a, x]`` and weights ``w[J, x, m, c]``."""
-        j, b, a, xd = (int(n) for n in x_shape)
-        return cls(j=j, b=b, m=int(w_shape[2]), a=a, c=int(w_shape[3]), x=xd)
+        """From the child poses ``x[J, B, a, x]`` and weights ``w[J, x, m, c]``, the sizes as
+        given: no ``int()``, which would fix a traced (symbolic) batch size for good; only the
+        cost model reads them as numbers, on a CUDA device outside tracing."""
+        j, b, a, xd = x_shape
+        return cls(j=j, b=b, m=w_shape[2], a=a, c=w_shape[3], x=xd)
 
     @property
     def entries(self) -> int:
