@@ -28,6 +28,7 @@ SWITCHES: dict[str, bool] = {
 NUMBERS: dict[str, tuple[bool, str, float]] = {
     "CAPSCTL_CHUNK_MIB": (False, "MiB", 65_536),  # votes per chunk (layers/backend/chunks.py)
     "CAPSCTL_ROUTING_THREADS": (True, "threads", 4096),  # threads per pass (the same)
+    "CAPSCTL_DENSE_BUDGET_MB": (False, "MiB", 1 << 20),  # dense votes on CUDA (backend/cost.py)
 }
 #: Folders (any path; used as given).
 FOLDERS = ("CAPSCTL_DATA", "CAPSCTL_CACHE")

@@ -31,9 +31,9 @@ Pure Python: no torch, no Triton.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from capsctl.environment import positive
 from capsctl.layers.backend.triton.aot_cost import H100
 
 __all__ = [
@@ -119,14 +119,10 @@ def dense_bytes(shape: VoteShape, itemsize: int) -> int:
 
 
 def dense_budget() -> int:
-    """:data:`DENSE_BUDGET_BYTES`, or ``CAPSCTL_DENSE_BUDGET_MB`` MiB where that is set."""
-    raw = os.environ.get(BUDGET_ENV, "").strip()
-    if not raw:
-        return DENSE_BUDGET_BYTES
-    try:
-        return max(0, int(float(raw) * (1 << 20)))
-    except ValueError:
-        return DENSE_BUDGET_BYTES
+    """:data:`DENSE_BUDGET_BYTES`, or ``CAPSCTL_DENSE_BUDGET_MB`` MiB where that is set (a
+    positive number; a bad value is a UsageError naming it)."""
+    mib = positive(BUDGET_ENV)
+    return DENSE_BUDGET_BYTES if mib is None else int(mib * (1 << 20))
 
 
 def _size(n: float) -> str:

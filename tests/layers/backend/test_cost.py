@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from capsctl.errors import UsageError
 from capsctl.layers.backend import cost, dispatch
 from capsctl.layers.backend.cost import VoteShape
 
@@ -64,12 +65,16 @@ def test_the_bundled_shapes_run_fused_and_far_wider_poses_dense(itemsize: int) -
 def test_the_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cost.BUDGET_ENV, raising=False)
     assert cost.dense_budget() == cost.DENSE_BUDGET_BYTES == 1 << 30
-    assert cost.cuda_path(WIDE, 2)[0] == "dense"
-    monkeypatch.setenv(cost.BUDGET_ENV, "0")
-    assert cost.dense_budget() == 0
+    assert cost.cuda_path(WIDE, 2)[0] == "dense"  # 64 MiB of votes and gradient
+    monkeypatch.setenv(cost.BUDGET_ENV, "0.5")
+    assert cost.dense_budget() == 1 << 19
     assert cost.cuda_path(WIDE, 2)[0] == "triton"
     monkeypatch.setenv(cost.BUDGET_ENV, "512")
     assert cost.dense_budget() == 512 << 20
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv(cost.BUDGET_ENV, bad)
+        with pytest.raises(UsageError, match=cost.BUDGET_ENV):
+            cost.dense_budget()
 
 
 def _on_cuda(dtype: torch.dtype) -> list[SimpleNamespace]:
