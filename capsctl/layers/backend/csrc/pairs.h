@@ -21,7 +21,16 @@ struct VoteGrads {
   static constexpr bool kBlock = A == 1 && X == 16;
   // the sites of a block (backward_block): the passes run for_pairs with the same number
   static constexpr int64_t kSites = backward_block<A, X>();
-  static_assert(kSites % BT == 0, "block() takes a block's dX BT sites at a time");
+  // Sites whose dX block() sums at once, their accumulators in registers: 16 vectors of 16
+  // floats take 16 of AVX-512's 32 registers; without AVX-512, 4 sites' 8 vectors of 8 floats
+  // take 8 of AVX2's 16 (16 vectors of 16 floats lived on the stack: dX took 4.7x the forward
+  // pass on an AVX2 CPU, J=288, B=1568, one thread).
+#if defined(__AVX512F__)
+  static constexpr int64_t kGxRows = BT;
+#else
+  static constexpr int64_t kGxRows = 4;
+#endif
+  static_assert(kSites % kGxRows == 0, "block() takes a block's dX kGxRows sites at a time");
   const Shape<A, X, C, M>& sh;
   const float* __restrict x;
   const float* __restrict wt;  // the weights transposed, [J, c*m, x] (kBlock with gx only)
@@ -68,21 +77,59 @@ struct VoteGrads {
       const float* __restrict xb = x + (j * nb + lo) * X;  // [rows, 16]
       if (gx != nullptr) {
         const float* __restrict wtj = wt + j * cm * X;  // w_j^T [cm, 16]
-        for (int64_t r0 = 0; r0 < rows; r0 += BT) {  // BT sites at a time, in registers
+        for (int64_t r0 = 0; r0 < rows; r0 += kGxRows) {  // kGxRows sites, in registers
           const float* __restrict gr = g + r0 * cm;
-          v16 acc[BT] = {};
+          float* __restrict gxb = gx + (j * nb + lo + r0) * X;
+          const int64_t n = std::min<int64_t>(kGxRows, rows - r0);
+#if defined(__AVX512F__)
+          v16 acc[kGxRows] = {};
           for (int64_t t = 0; t < cm; ++t) {
             const v16 wv = load16(wtj + t * X);
 #pragma GCC unroll 16
-            for (int64_t r = 0; r < BT; ++r) acc[r] += gr[r * cm + t] * wv;
+            for (int64_t r = 0; r < kGxRows; ++r) acc[r] += gr[r * cm + t] * wv;
           }
-          float* __restrict gxb = gx + (j * nb + lo + r0) * X;
-          for (int64_t r = 0; r < std::min<int64_t>(BT, rows - r0); ++r)
-            __builtin_memcpy(gxb + r * X, &acc[r], sizeof(v16));
+          for (int64_t r = 0; r < n; ++r) __builtin_memcpy(gxb + r * X, &acc[r], sizeof(v16));
+#else
+          // two halves of eight floats a row: a 16-float vector type is no register here,
+          // and GCC kept an array of them on the stack, moving each through general registers
+          v8 lo8[kGxRows] = {}, hi8[kGxRows] = {};
+          for (int64_t t = 0; t < cm; ++t) {
+            const v8 wl = load8(wtj + t * X), wh = load8(wtj + t * X + 8);
+#pragma GCC unroll 16
+            for (int64_t r = 0; r < kGxRows; ++r) {
+              const float gv = gr[r * cm + t];
+              lo8[r] += gv * wl;
+              hi8[r] += gv * wh;
+            }
+          }
+          for (int64_t r = 0; r < n; ++r) {
+            __builtin_memcpy(gxb + r * X, &lo8[r], sizeof(v8));
+            __builtin_memcpy(gxb + r * X + 8, &hi8[r], sizeof(v8));
+          }
+#endif
         }
       }
       if (gw != nullptr) {
         float* __restrict gwj = gw + j * X * cm;
+#if !defined(__AVX512F__)
+        // without AVX-512: strips of 8 columns, half of the 16 pose entries at a time, so
+        // that the 8 accumulators stay in AVX2 registers (16 x 16 floats spilled)
+        for (int64_t t0 = 0; t0 < cm; t0 += 8) {
+          for (int64_t k0 = 0; k0 < X; k0 += 8) {
+            v8 acc[8];
+            for (int64_t k = 0; k < 8; ++k)
+              acc[k] = lo == b0 ? v8{} : load8(gwj + (k0 + k) * cm + t0);
+            for (int64_t r = 0; r < rows; ++r) {
+              const v8 gv = load8(g + r * cm + t0);
+#pragma GCC unroll 8
+              for (int64_t k = 0; k < 8; ++k) acc[k] += xb[r * X + k0 + k] * gv;
+            }
+            for (int64_t k = 0; k < 8; ++k)
+              __builtin_memcpy(gwj + (k0 + k) * cm + t0, &acc[k], sizeof(v8));
+          }
+        }
+        return;
+#endif
         for (int64_t t0 = 0; t0 < cm; t0 += TC) {  // cm = 16 * m: whole strips
           float acc[X][TC];  // from 0 at the thread's first block
           for (int64_t k = 0; k < X; ++k)

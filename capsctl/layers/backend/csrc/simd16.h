@@ -15,6 +15,14 @@ inline v16 load16(const float* p) {
   __builtin_memcpy(&v, p, sizeof v);
   return v;
 }
+// Eight floats: one AVX2 register, for loops that keep many vectors live on CPUs without
+// AVX-512 (where a v16 is two registers, or a stack slot).
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
 
 // Lane shuffles of two vectors: lanes 0-15 are a's, 16-31 b's (GCC and clang spell it apart).
 #if defined(__clang__)
