@@ -220,6 +220,31 @@ template <class S>
 inline void grad_x16(const float* __restrict wj, const float* __restrict gv,
                      float* __restrict gxa, const S& sh) {
   const int64_t cm = sh.cm();
+#if !defined(__AVX512F__)
+  // without AVX-512: 8-float vectors, two rows of the pose at a time (8 accumulators, 4
+  // weight vectors and a gradient vector in AVX2's 16 registers; 16 vectors of 16 floats
+  // lived on the stack), each accumulator's lanes summed at the end
+  for (int a0 = 0; a0 < 4; a0 += 2) {
+    v8 acc[8] = {};
+    int64_t t = 0;
+    for (; t + 8 <= cm; t += 8) {
+      v8 w[4];
+      for (int k = 0; k < 4; ++k) w[k] = load8(wj + k * cm + t);
+      for (int a = 0; a < 2; ++a) {
+        const v8 g = load8(gv + (a0 + a) * cm + t);
+        for (int k = 0; k < 4; ++k) acc[a * 4 + k] += g * w[k];
+      }
+    }
+    for (int i = 0; i < 8; ++i) {
+      const int a = a0 + i / 4, k = i % 4;
+      float sum = 0.f;
+      for (int l = 0; l < 8; ++l) sum += acc[i][l];
+      for (int64_t u = t; u < cm; ++u) sum += gv[a * cm + u] * wj[k * cm + u];  // c*m % 8
+      gxa[a * 4 + k] = sum;
+    }
+  }
+  return;
+#endif
   v16 acc[16] = {};
   int64_t t = 0;
   for (; t + 16 <= cm; t += 16) {
