@@ -128,8 +128,7 @@ struct VoteGrads {
               __builtin_memcpy(gwj + (k0 + k) * cm + t0, &acc[k], sizeof(v8));
           }
         }
-        return;
-#endif
+#else
         for (int64_t t0 = 0; t0 < cm; t0 += TC) {  // cm = 16 * m: whole strips
           float acc[X][TC];  // from 0 at the thread's first block
           for (int64_t k = 0; k < X; ++k)
@@ -144,6 +143,7 @@ struct VoteGrads {
           for (int64_t k = 0; k < X; ++k)
             for (int64_t t = 0; t < TC; ++t) gwj[k * cm + t0 + t] = acc[k][t];
         }
+#endif
       }
     }
   }

@@ -243,8 +243,7 @@ inline void grad_x16(const float* __restrict wj, const float* __restrict gv,
       gxa[a * 4 + k] = sum;
     }
   }
-  return;
-#endif
+#else
   v16 acc[16] = {};
   int64_t t = 0;
   for (; t + 16 <= cm; t += 16) {
@@ -265,6 +264,7 @@ inline void grad_x16(const float* __restrict wj, const float* __restrict gv,
   }
   const v16 out = lane_sums(acc);
   __builtin_memcpy(gxa, &out, sizeof out);
+#endif
 }
 
 // ... and gw_j[x, c, m] += X^T gv (the child's weights' gradient, one site's share).
