@@ -569,3 +569,18 @@ def test_the_routed_backward_builds_no_zero_gradient_of_the_coefficients() -> No
     fills = [o for o in ops if o.op in ("zeros", "zeros_like", "new_zeros", "zero_", "fill_")]
     assert not [o for o in fills if o.bytes >= r.numel() * r.element_size()]
     assert x.grad is not None and w.grad is not None and p.grad is not None
+
+
+def test_a_wide_routed_pass_whose_parents_take_no_gradient() -> None:
+    """36-wide vectors run the routed pass on blocks of parents; where ``P`` needs no gradient
+    the backward takes ``dA`` without the launch that sums ``dP``: ``dX`` and ``dW`` still
+    match the equations."""
+    shape = SHAPES["wide-vector-parent-blocks"]
+    x, w, p, _, scale = _inputs(shape, seed=4)
+    xs, ws = _leaves(x, w)
+    s, _ = triton_routed(xs, ws, p, scale)
+    xe, we = _leaves(x, w)
+    s_ref, _ = routed_equations(xe, we, p, scale)
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-12)
+    for got, want in zip(_grads(s, (xs, ws)), _grads(s_ref, (xe, we)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
