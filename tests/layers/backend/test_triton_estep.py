@@ -117,6 +117,8 @@ def test_the_e_step_kernels_match_the_torch_code_in_float32(name: str) -> None:
 
 
 def test_the_e_step_ops_have_fake_implementations() -> None:
+    from capsctl.layers.backend.triton import estep_ops  # noqa: F401  (registers the ops)
+
     quad, c, _, _ = _case("fc", torch.float32)
     cb = c[:, 0]
     ops = torch.ops.capsctl
