@@ -65,6 +65,7 @@ template <int A, int X, int C, int M>
 struct Shape {
   static constexpr int64_t kD = A > 0 && C > 0 ? A * C : 0;  // d and m, 0 where not constant
   static constexpr int64_t kM = M;
+  static constexpr int64_t kX = X;  // x, 0 where not constant
   int64_t a_, x_, c_, m_;
   explicit Shape(const Dims& dd) : a_(dd.a), x_(dd.x), c_(dd.c), m_(dd.m) {}
   int64_t a() const {
@@ -89,24 +90,74 @@ struct Shape {
   int64_t ax() const { return a() * x(); }
 };
 
+// Rows of the votes' product whose accumulators live in registers at once: each weight vector
+// loaded once serves kVoteRows rows, and the rows' multiply-adds form kVoteRows independent
+// chains (one chain a row, as a plain loop over the rows compiles, waits out the latency of
+// every multiply-add: the product ran at a quarter of the core's rate). 4 rows of 16 floats take
+// 8 of AVX2's 16 registers; 8 rows take 8 of AVX-512's 32.
+#if defined(__AVX512F__)
+constexpr int64_t kVoteRows = 8;
+#else
+constexpr int64_t kVoteRows = 4;
+#endif
+
+// R rows of the votes from the strip of TC columns at t0: v[r, t0:t0+TC] = x[r, :] @ w_j[:, strip]
+template <int64_t R, int64_t XN>
+inline void vote_rows(const float* __restrict xr, const float* __restrict wj,
+                      float* __restrict vr, int64_t x_n, int64_t cm) {
+  const int64_t n = XN > 0 ? XN : x_n;
+#if defined(__AVX512F__)
+  v16 acc[R];
+  const v16 w0 = load16(wj);
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) acc[r] = xr[r * n] * w0;
+  for (int64_t k = 1; k < n; ++k) {
+    const v16 wv = load16(wj + k * cm);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) acc[r] += xr[r * n + k] * wv;
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) __builtin_memcpy(vr + r * cm, &acc[r], sizeof(v16));
+#else
+  // two halves of eight floats a row (an array of 16-float vectors lived on the stack)
+  v8 lo[R], hi[R];
+  const v8 wl0 = load8(wj), wh0 = load8(wj + 8);
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    const float xv = xr[r * n];
+    lo[r] = xv * wl0;
+    hi[r] = xv * wh0;
+  }
+  for (int64_t k = 1; k < n; ++k) {
+    const v8 wl = load8(wj + k * cm), wh = load8(wj + k * cm + 8);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) {
+      const float xv = xr[r * n + k];
+      lo[r] += xv * wl;
+      hi[r] += xv * wh;
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    __builtin_memcpy(vr + r * cm, &lo[r], sizeof(v8));
+    __builtin_memcpy(vr + r * cm + 8, &hi[r], sizeof(v8));
+  }
+#endif
+}
+
 // votes v[r, c*m] = x[r, :] @ w_j[:, c*m] for the rows r = (site, a) of a block of sites:
-// a strip of TC columns of w_j at a time, hot in the cache for every row
+// a strip of TC columns of w_j at a time, hot in the cache for every row, kVoteRows rows at once
 template <class S>
 inline void block_votes(const float* __restrict xb, const float* __restrict wj,
                         float* __restrict v, int64_t rows, const S& sh) {
+  constexpr int64_t XN = S::kX;
   const int64_t x_n = sh.x(), cm = sh.cm();
   int64_t t0 = 0;
   for (; t0 + TC <= cm; t0 += TC) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* __restrict xr = xb + r * x_n;
-      float* __restrict vr = v + r * cm + t0;
-#pragma omp simd
-      for (int64_t t = 0; t < TC; ++t) {
-        float acc = xr[0] * wj[t0 + t];
-        for (int64_t k = 1; k < x_n; ++k) acc += xr[k] * wj[k * cm + t0 + t];
-        vr[t] = acc;
-      }
-    }
+    int64_t r = 0;
+    for (; r + kVoteRows <= rows; r += kVoteRows)
+      vote_rows<kVoteRows, XN>(xb + r * x_n, wj + t0, v + r * cm + t0, x_n, cm);
+    for (; r < rows; ++r) vote_rows<1, XN>(xb + r * x_n, wj + t0, v + r * cm + t0, x_n, cm);
   }
   const int64_t rest = cm - t0;  // columns after the last whole strip
   for (int64_t r = 0; rest > 0 && r < rows; ++r) {
@@ -164,8 +215,11 @@ inline void dot_d(const float* __restrict v, const float* __restrict q, float* _
 }
 
 inline void softmax(float* __restrict l, int64_t m) {
+  // the maximum as a vector reduction: std::max, which returns a reference, compiled to a
+  // chain of compares and stores through the stack (a quarter of a routing pass of 16 parents)
   float mx = l[0];
-  for (int64_t k = 1; k < m; ++k) mx = std::max(mx, l[k]);
+#pragma omp simd reduction(max : mx)
+  for (int64_t k = 1; k < m; ++k) mx = l[k] > mx ? l[k] : mx;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t k = 0; k < m; ++k) {
