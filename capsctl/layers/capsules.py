@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from capsctl.layers.passes.agreement import agreement_pass
 from capsctl.layers.passes.layout import permute_rows, window_copy
 from capsctl.layers.passes.pose_norm import pose_layer_norm
 from capsctl.layers.passes.routed import routed_pass_under_autocast
@@ -104,6 +105,9 @@ class CapsuleLayer(nn.Module):
 
     def routed_sum(self, child: Tensor, query: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def agreement(self, child: Tensor, iterations: int) -> tuple[list[Tensor], list[Tensor]] | None:
+        return None
 
     def uniform(self, child: Tensor, *, rows_in: bool = False, rows_out: bool = False) -> Tensor:
         """First pass, every coefficient ``1/m``, then dropout and LayerNorm: parent poses.
@@ -223,6 +227,20 @@ class FCCapsules(CapsuleLayer):
         s, r = routed_pass_under_autocast(xj, self.weight, p, scale)  # [b, m, a, c], [n, b, m]
         return s.reshape(b, m, self.out_dim), r.permute(1, 0, 2)  # [b, m, d], [b, n, m]
 
+    def agreement(self, child: Tensor, iterations: int) -> tuple[list[Tensor], list[Tensor]] | None:
+        """Every iteration of routing by agreement in one pass (passes/agreement.py): the
+        squashed poses ``[b, m, d]`` of each iteration and the coefficients ``[b, n, m]`` of
+        iterations 2..T; None where the compiled loops do not run."""
+        x = self._children(child)
+        b, m = x.shape[0], self.out_types
+        xj = x.view(b, self.in_types, self.rows, self.cols_in)  # [b, n, a, x]
+        out = agreement_pass(permute_rows(xj, (1, 0, 2, 3)), self.weight, iterations)
+        if out is None:
+            return None
+        v, r = out  # [T, B=b, m, a, c], [T-1, J=n, B=b, m]
+        poses = [p.reshape(b, m, self.out_dim) for p in v.unbind(0)]  # [b, m, d] each
+        return poses, [c.permute(1, 0, 2) for c in r.unbind(0)]  # [b, n, m] each
+
     def uniform_coefficients(self, child: Tensor) -> Tensor:
         """The first pass's coefficients ``1/m``, ``[b, n, m]`` (a broadcast view)."""
         b = child.shape[0]
@@ -332,6 +350,24 @@ class ConvCapsules(CapsuleLayer):
         s, r = routed_pass_under_autocast(xj, wj, p, scale)  # [B, m, a, c], [J, B, m]
         coeffs = r.view(k, k, n, b, h, w, m).permute(3, 4, 5, 0, 1, 2, 6)  # [b, h, w, k, l, n, m]
         return s.reshape(b, h, w, m, self.out_dim), coeffs  # [b, h, w, m, d]
+
+    def agreement(self, child: Tensor, iterations: int) -> tuple[list[Tensor], list[Tensor]] | None:
+        """:meth:`FCCapsules.agreement` over every window: poses ``[b, h, w, m, d]``,
+        coefficients ``[b, h, w, k, l, n, m]``."""
+        b, n = child.shape[0], self.in_types
+        k, m = self.kernel, self.out_types
+        xj, h, w = self._windows(child)  # [J, B, a, x]
+        wj = self.weight.reshape(k * k * n, self.cols_in, m, self.cols_out)  # [J, x, m, c]
+        out = agreement_pass(xj, wj, iterations)
+        if out is None:
+            return None
+        v, r = out  # [T, B, m, a, c], [T-1, J, B, m]
+        poses = [p.reshape(b, h, w, m, self.out_dim) for p in v.unbind(0)]  # [b, h, w, m, d]
+        coeffs = [
+            c.view(k, k, n, b, h, w, m).permute(3, 4, 5, 0, 1, 2, 6)  # [b, h, w, k, l, n, m]
+            for c in r.unbind(0)
+        ]
+        return poses, coeffs
 
     def uniform_coefficients(self, child: Tensor) -> Tensor:
         b, hh, ww = child.shape[:3]

@@ -32,7 +32,10 @@ __all__ = [
     "row_spans",
     "routed_backward",
     "routed_forward",
+    "run_backward_pass",
+    "run_pass",
     "split_gated_weights",
+    "transposed",
     "weighted_backward",
     "weighted_forward",
 ]
@@ -52,28 +55,29 @@ def _spans(x: Tensor) -> list[tuple[int, int]]:
     return site_spans(bsz, -(-bsz // workers), workers)
 
 
-def _run(
+def run_pass(
     name: str,
     x: Tensor,
     tensors: tuple[Tensor | None, ...],
     c: int,
     m: int,
     per_thread: Sequence[Tensor | None] | None = None,
+    dims: Sequence[int] = (),
 ) -> None:
-    """``capsctl_<name>(*tensors, [per_thread[i],] J, B, a, x, c, m, b0, b1)`` for the sites
-    ``[b0, b1)`` of each thread ``i``."""
+    """``capsctl_<name>(*tensors, [per_thread[i],] J, B, a, x, c, m, *dims, b0, b1)`` for the
+    sites ``[b0, b1)`` of each thread ``i``."""
     fn = getattr(library(), f"capsctl_{name}")
     j, bsz, a, xd = x.shape
     ptrs = [_ptr(t) for t in tensors]
 
     def part(i: int, lo: int, hi: int) -> None:
         extra = () if per_thread is None else (_ptr(per_thread[i]),)
-        fn(*ptrs, *extra, j, bsz, a, xd, c, m, lo, hi)
+        fn(*ptrs, *extra, j, bsz, a, xd, c, m, *dims, lo, hi)
 
     run_spans(part, _spans(x))
 
 
-def _transposed(wc: Tensor, gx: Tensor | None) -> Tensor | None:
+def transposed(wc: Tensor, gx: Tensor | None) -> Tensor | None:
     """The weights ``wc[J, x, c*m]`` as ``[J, c*m, x]`` for a backward pass that computes
     ``gx`` (None otherwise): the loops of 16-d pose vectors multiply the votes' gradients by
     ``W^T`` a block of sites at a time, and transposing each child's weights there, once per
@@ -87,7 +91,7 @@ def _accumulator(x: Tensor, shape: Sequence[int]) -> Tensor:
     return x.new_empty(shape)
 
 
-def _run_backward(
+def run_backward_pass(
     name: str,
     x: Tensor,
     tensors: tuple[Tensor | None, ...],
@@ -95,15 +99,16 @@ def _run_backward(
     m: int,
     shape: Sequence[int],
     need_w: bool,
+    dims: Sequence[int] = (),
 ) -> Tensor | None:
-    """A backward pass (:func:`_run`) that gets one weight-gradient accumulator of ``shape``
+    """A backward pass (:func:`run_pass`) that gets one weight-gradient accumulator of ``shape``
     per thread as its last pointer (None where ``need_w`` is false), added up in a fixed order
     and returned. The loops zero their accumulator where they first touch it (a thread's first
     site, for every child), so it is allocated uninitialized: a separate fill cost 4-6 ms per
     9 MB accumulator, most of it the page faults of a fresh block."""
     n = len(_spans(x))
     gws = [_accumulator(x, shape) for _ in range(n)] if need_w else []  # e.g. [J, x, c*m] each
-    _run(name, x, tensors, c, m, gws or [None] * n)
+    run_pass(name, x, tensors, c, m, gws or [None] * n, dims)
     for extra in gws[1:]:
         gws[0].add_(extra)
     return gws[0] if gws else None
@@ -121,7 +126,7 @@ def routed_forward(x: Tensor, wc: Tensor, pq: Tensor, c: int) -> tuple[Tensor, T
     m = pq.shape[2]
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
     r = x.new_empty(j, bsz, m)  # [J, B, m]
-    _run("routed_forward", x, (x, wc, pq, s, r), c, m)
+    run_pass("routed_forward", x, (x, wc, pq, s, r), c, m)
     return s, r
 
 
@@ -139,8 +144,8 @@ def routed_backward(
     forward's ``R[J, B, m]``; each only when ``needs`` says so."""
     m = pq.shape[2]
     gx, gp = _if(needs[0], x), _if(needs[2], gq)  # [J, B, a, x], [B, d, m]
-    ts = (x, wc, _transposed(wc, gx), pq, r, gq, gx, gp)
-    gw = _run_backward("routed_backward", x, ts, c, m, wc.shape, needs[1])
+    ts = (x, wc, transposed(wc, gx), pq, r, gq, gx, gp)
+    gw = run_backward_pass("routed_backward", x, ts, c, m, wc.shape, needs[1])
     return gx, gw, gp
 
 
@@ -150,7 +155,7 @@ def weighted_forward(x: Tensor, wc: Tensor, r: Tensor, c: int) -> Tensor:
     _, bsz, a, _ = x.shape
     m = r.shape[2]
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
-    _run("weighted_forward", x, (x, wc, r, s), c, m)
+    run_pass("weighted_forward", x, (x, wc, r, s), c, m)
     return s
 
 
@@ -160,8 +165,8 @@ def weighted_backward(
     """Gradients ``gx[J, B, a, x]``, ``gw[J, x, c*m]`` and ``gr[J, B, m]`` of the weighted
     pass from ``gq[B, d, m] = d loss / d S``; each only when ``needs`` says so."""
     gx, gr = _if(needs[0], x), _if(needs[2], r)  # [J, B, a, x], [J, B, m]
-    ts = (x, wc, _transposed(wc, gx), r, gq, gx, gr)
-    gw = _run_backward("weighted_backward", x, ts, c, r.shape[2], wc.shape, needs[1])
+    ts = (x, wc, transposed(wc, gx), r, gq, gx, gr)
+    gw = run_backward_pass("weighted_backward", x, ts, c, r.shape[2], wc.shape, needs[1])
     return gx, gw, gr
 
 
@@ -175,7 +180,7 @@ def em_moments_forward(
     m = r.shape[2]
     out = x.new_empty(2, x.shape[1], shift.shape[1], m)  # [2, B, d, m]
     mass = x.new_empty(x.shape[1], m)  # [B, m]
-    _run("em_moments_forward", x, (x, wc, shift, r, act, out, mass), wc.shape[2] // m, m)
+    run_pass("em_moments_forward", x, (x, wc, shift, r, act, out, mass), wc.shape[2] // m, m)
     return out, mass
 
 
@@ -193,8 +198,8 @@ def em_moments_backward(
     and ``gm[B, m]`` (of the mass); each only when ``needs`` says so."""
     m = r.shape[2]
     gr, ga, gx = _if(needs[0], r), _if(needs[1], act), _if(needs[2], x)
-    ts = (x, wc, _transposed(wc, gx), shift, r, act, gs, gm, gr, ga, gx)
-    gw = _run_backward("em_moments_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[3])
+    ts = (x, wc, transposed(wc, gx), shift, r, act, gs, gm, gr, ga, gx)
+    gw = run_backward_pass("em_moments_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[3])
     return gr, ga, gx, gw
 
 
@@ -203,7 +208,7 @@ def em_quad_forward(x: Tensor, wc: Tensor, shift: Tensor, qp: Tensor) -> Tensor:
     ``qp[2, B, d, m]`` (:class:`capsctl.layers.passes.em_moments.VoteQuad`), all contiguous."""
     m = qp.shape[3]
     out = x.new_empty(x.shape[1], x.shape[0], m)  # [B, J, m]
-    _run("em_quad_forward", x, (x, wc, shift, qp, out), wc.shape[2] // m, m)
+    run_pass("em_quad_forward", x, (x, wc, shift, qp, out), wc.shape[2] // m, m)
     return out
 
 
@@ -219,8 +224,8 @@ def em_quad_backward(
     says so."""
     m = qp.shape[3]
     gqp, gx = _if(needs[0], qp), _if(needs[1], x)  # [2, B, d, m], [J, B, a, x]
-    ts = (x, wc, _transposed(wc, gx), shift, qp, gq, gqp, gx)
-    gw = _run_backward("em_quad_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[2])
+    ts = (x, wc, transposed(wc, gx), shift, qp, gq, gqp, gx)
+    gw = run_backward_pass("em_quad_backward", x, ts, wc.shape[2] // m, m, wc.shape, needs[2])
     return gqp, gx, gw
 
 
@@ -236,7 +241,7 @@ def gated_forward(
     s = x.new_empty(bsz, a * c, m)  # [B, d, m]
     tot = x.new_empty(bsz, m)  # [B, m]
     cs = x.new_empty(j, bsz, m)  # [J, B, m]
-    _run("gated_forward", x, (x, wc, wr, br, act, s, tot, cs), c, m)
+    run_pass("gated_forward", x, (x, wc, wr, br, act, s, tot, cs), c, m)
     return s, tot, cs
 
 
@@ -255,9 +260,9 @@ def gated_backward(
     and ``gt[B, m]`` (of the total mass); each only when ``needs`` says so."""
     j, m = x.shape[0], cs.shape[2]
     gact, gx = _if(needs[0], act), _if(needs[1], x)
-    ts = (x, wc, _transposed(wc, gx), wr, cs, act, gs, gt, gact, gx)
+    ts = (x, wc, transposed(wc, gx), wr, cs, act, gs, gt, gact, gx)
     size = wc.numel() + wr.numel() + j * m
-    gacc = _run_backward("gated_backward", x, ts, wc.shape[2] // m, m, (size,), needs[2])
+    gacc = run_backward_pass("gated_backward", x, ts, wc.shape[2] // m, m, (size,), needs[2])
     return gact, gx, gacc
 
 

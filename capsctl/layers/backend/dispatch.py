@@ -58,6 +58,7 @@ __all__ = [
     "autocast_dtype",
     "choose",
     "expected",
+    "peek",
     "ran",
     "reset_ran",
     "run_fused",
@@ -211,15 +212,21 @@ def choose(
     inputs to (that dtype where the Triton kernels take it, else float32). ``votes``: the
     pass's vote sizes, for which a CUDA device runs the fused kernels or the dense expression,
     whichever the cost model finds cheaper (capsctl/layers/backend/cost.py)."""
+    return _chosen(peek(*tensors, autocast=autocast, votes=votes))
+
+
+def peek(
+    *tensors: Tensor, autocast: torch.dtype | None = None, votes: VoteShape | None = None
+) -> Choice:
+    """The choice :func:`choose` would make, not counted in :func:`ran`: for a pass that runs
+    only on one backend and leaves the others to passes that ask :func:`choose` themselves."""
     specs = [(t.device, t.dtype) for t in tensors]
     if autocast is None:
-        return _chosen(_decide(specs, votes))
+        return _decide(specs, votes)
     low = _decide([(dev, autocast) for dev, _ in specs], votes)
     if low.backend == "triton" or low.modelled:
-        return _chosen(replace(low, dtype=autocast))
-    return _chosen(
-        replace(_decide([(dev, torch.float32) for dev, _ in specs]), dtype=torch.float32)
-    )
+        return replace(low, dtype=autocast)
+    return replace(_decide([(dev, torch.float32) for dev, _ in specs]), dtype=torch.float32)
 
 
 def autocast_dtype(t: Tensor) -> torch.dtype | None:

@@ -140,6 +140,37 @@ def _routed(lib: ctypes.CDLL, shape: tuple[int, ...], g: torch.Generator) -> Non
     _check(f"routed_backward{shape}", (gx, gw, gp), want)
 
 
+def _squash(s: Tensor) -> Tensor:
+    n = s.norm(dim=1, keepdim=True)  # [B, 1, m]
+    return s * (n / (1 + n * n))  # [B, d, m]
+
+
+def _agreement(lib: ctypes.CDLL, shape: tuple[int, ...], g: torch.Generator) -> None:
+    """Routing by agreement, T = 3 iterations, against Procedure 1 written out in torch."""
+    a, xd, c, m = shape
+    d, iters = a * c, 3
+    x, wc = torch.randn(J, B, a, xd, generator=g), torch.randn(J, xd, c * m, generator=g) * 0.5
+    ins = [t.requires_grad_() for t in (x, wc)]
+    v = _votes(x, wc, m)  # [J, B, d, m]
+    sums, rs = [v.sum(0) / m], []  # [B, d, m] each, [J, B, m] each
+    poses = [_squash(sums[0])]
+    for _ in range(1, iters):
+        rs.append(torch.softmax((v * sum(poses)).sum(2), -1))  # [J, B, m]
+        sums.append((rs[-1].unsqueeze(2) * v).sum(0))  # [B, d, m]
+        poses.append(_squash(sums[-1]))
+    got = (_nan(iters, B, d, m), _nan(iters, B, d, m), _nan(iters - 1, J, B, m))
+    _run(lib, "agreement_forward", (x, wc, *got), (J, B, a, xd, c, m, iters, 2, 0, B))
+    _check(
+        f"agreement_forward{shape}", got, (torch.stack(sums), torch.stack(poses), torch.stack(rs))
+    )
+    ups, want = _grads(poses, ins, g)
+    gx, gw = _nan(J, B, a, xd), _nan(J, xd, c * m)
+    wt = wc.detach().transpose(1, 2).contiguous()  # [J, c*m, x]
+    ts = (x, wc, wt, got[0], got[2], torch.stack(ups), gx, gw)
+    _run(lib, "agreement_backward", ts, (J, B, a, xd, c, m, iters, 2, 0, B))
+    _check(f"agreement_backward{shape}", (gx, gw), want)
+
+
 def _weighted(lib: ctypes.CDLL, shape: tuple[int, ...], g: torch.Generator) -> None:
     a, xd, c, m = shape
     d, dims = a * c, (J, B, a, xd, c, m, 0, B)
@@ -321,7 +352,7 @@ def self_test(lib: ctypes.CDLL) -> None:
         torch.autocast("cpu", enabled=False),
     ):
         for shape in VOTE_SHAPES:
-            for check in (_routed, _weighted, _gated, _em_moments, _em_quad):
+            for check in (_routed, _agreement, _weighted, _gated, _em_moments, _em_quad):
                 check(lib, shape, g)
         for d in (16, 7):
             _layer_norm(lib, d, g)

@@ -63,8 +63,14 @@ class DynamicParams:
 
 def route_by_agreement(layer: CapsuleLayer, caps: Capsules, iterations: int) -> LayerRouting:
     """Procedure 1 on one layer: uniform pass, then ``T - 1`` routed passes whose query is the
-    sum of the parent poses so far (the logits ``b_ij`` are agreements with that sum)."""
+    sum of the parent poses so far (the logits ``b_ij`` are agreements with that sum). Where
+    the compiled loops run, all of them as one pass (capsctl/layers/passes/agreement.py)."""
     child = caps.poses
+    fused = layer.agreement(child, iterations)  # every iteration in one pass, where it runs
+    if fused is not None:
+        poses, coeffs = fused
+        first = layer.uniform_coefficients(child)
+        return LayerRouting(Capsules(poses[-1]), [first, *coeffs], poses)
     v = squash(layer.uniform_sum(child))  # [b, (h, w,) m, d]
     out = LayerRouting(Capsules(v), [layer.uniform_coefficients(child)], [v])
     total = v

@@ -24,7 +24,7 @@ import torch
 from conftest import require_native
 from routing_steps import assert_same_step, routing_model, training_step
 
-from capsctl.layers.backend import bindings, dispatch, em_mstep, native
+from capsctl.layers.backend import agreement, bindings, dispatch, em_mstep, native
 from capsctl.layers.passes.em_moments import VoteMoments, VoteQuad, vote_shift
 from capsctl.layers.passes.routed import routed_pass
 from capsctl.layers.passes.weighted import weighted_pass
@@ -575,13 +575,15 @@ def test_the_library_is_built_from_every_file_of_csrc() -> None:
             assert "CAPSCTL_KERNELS_ABI " not in source.read_text().replace(
                 "return CAPSCTL_KERNELS_ABI;", ""
             ), source.name
-    # one extern "C" function of the library per Python binding (bindings.py, em_mstep.py), and
+    # one extern "C" function of the library per Python binding (bindings.py, em_mstep.py,
+    # agreement.py), and
     # the ABI's
     exported = set()
     for source in native.SOURCES:
         exported |= set(re.findall(r"\b(?:void|int) capsctl_(\w+)\(", source.read_text()))
     assert exported == {*native.ARGTYPES, "kernels_abi"}
-    assert all(hasattr(bindings, name) or hasattr(em_mstep, name) for name in native.ARGTYPES)
+    modules = (bindings, em_mstep, agreement)
+    assert all(any(hasattr(mod, name) for mod in modules) for name in native.ARGTYPES)
 
 
 def _cpu_has_avx512() -> bool:
@@ -715,22 +717,16 @@ def _planted(tmp_path: Path) -> tuple[Path, Path]:
         "__attribute__((constructor)) static void planted(void) {\n"
         f'  FILE* f = fopen("{marker}", "w"); if (f) fclose(f);\n'
         "}\n"
-        "int capsctl_kernels_abi(void) { return 6; }\n"
+        f"int capsctl_kernels_abi(void) {{ return {native.ABI}; }}\n"
     )
     return _c_library(tmp_path, "planted", source), marker
 
 
 def _no_op_library(tmp_path: Path) -> Path:
     """Every function of the library, doing nothing (what a fake compiler might make)."""
-    names = [
-        "routed_forward", "routed_backward", "weighted_forward", "weighted_backward",
-        "em_moments_forward", "em_moments_backward", "em_quad_forward", "em_quad_backward",
-        "gated_forward", "gated_backward", "layer_norm_forward", "layer_norm_backward",
-        "layer_norm_forward_layout", "layer_norm_backward_layout", "em_mstep_forward",
-        "em_mstep_backward",
-    ]  # fmt: skip
-    body = "".join(f"void capsctl_{n}(void) {{}}\n" for n in names)
-    return _c_library(tmp_path, "no-op", "int capsctl_kernels_abi(void) { return 6; }\n" + body)
+    body = "".join(f"void capsctl_{n}(void) {{}}\n" for n in native.ARGTYPES)
+    abi = f"int capsctl_kernels_abi(void) {{ return {native.ABI}; }}\n"
+    return _c_library(tmp_path, "no-op", abi + body)
 
 
 def _fake_compiler(tmp_path: Path, library: Path) -> Path:

@@ -6,7 +6,8 @@
 // [b0, b1); a backward pass also takes the weights transposed, wt[J, c*m, x], after w (read by
 // the loops of 16-d pose vectors where gx is wanted; may be null otherwise), and the calling
 // thread's weight-gradient accumulator as its last pointer (zeroed by the loops). The
-// LayerNorm's functions (layer_norm.cpp) take rows [r0, r1) instead.
+// LayerNorm's functions (layer_norm.cpp) take rows [r0, r1) instead. Routing by agreement
+// (agreement.cpp) takes the iterations T and the sites a block holds between m and b0.
 #pragma once
 
-#define CAPSCTL_KERNELS_ABI 6
+#define CAPSCTL_KERNELS_ABI 7

@@ -50,6 +50,9 @@ struct VoteGrads {
     return kBlock ? buf.data() + ((b - b0) % kSites) * sh.dm() : buf.data();
   }
 
+  // where the gradient of the pair (j, lo + i) goes, for a block that starts at lo (any lo)
+  float* slot_at(int64_t i) const { return kBlock ? buf.data() + i * sh.dm() : buf.data(); }
+
   void pair(int64_t j, int64_t b, const float* __restrict wj, const float* __restrict g) const {
     if constexpr (!kBlock) {
       const int64_t ax = sh.ax();
