@@ -12,41 +12,45 @@ from torch import Tensor
 
 from capsctl.layers.backend.bindings import run_backward_pass, run_pass, transposed
 
-__all__ = ["VOTE_BUDGET", "agreement_backward", "agreement_block", "agreement_forward"]
+__all__ = ["VOTE_BUDGET", "agreement_backward", "agreement_forward", "agreement_plan"]
 
-#: Floats of votes a block of sites holds (3 MiB): past the second-level cache, within the
-#: last. Reading them back from there for each iteration costs about as much as building them
-#: again, so one pass pays off only by its fewer products and launches, and only where a block
-#: holds enough sites for the weights' gradient (read and written once per block) to stay a
-#: small part of the pass: at 16 sites (J=144 children of 16-d votes to 16 parents, one
-#: thread: forward 131 ms and backward 292 ms, against 154 and 353 ms for the two routed
-#: passes before the uniform one), not at 8 (J=288 to 32 parents: 460 and 990 ms, against 378
-#: and 782).
+#: Floats of votes a block of sites keeps (3 MiB): past the second-level cache, within the
+#: last. Read back from there, they cost about as much as building them again, so a block keeps
+#: them only where it holds enough sites for the weights' gradient (read and written once per
+#: block) to stay a small part of the pass: at 16 sites (J=144 children of 16-d votes to 16
+#: parents, one thread: forward 131 ms and backward 292 ms, against 154 and 353 ms for the two
+#: routed passes before the uniform one), not at 8 (J=288 to 32 parents: 460 and 990 ms,
+#: against 378 and 782). Elsewhere a block of 64 sites builds each child's votes again for
+#: each use: three products forward, four backward (the routed passes: three and eight).
 VOTE_BUDGET = 3 << 18
-#: The fewest sites a block may hold, and the most (VoteGrads' block of 16-d votes).
+#: The fewest sites a block keeping its votes holds, and the most any block holds (VoteGrads'
+#: block of 16-d votes).
 MIN_BLOCK, MAX_BLOCK = 16, 64
 
 
-def agreement_block(j: int, d: int, m: int) -> int:
-    """Sites a block of the one-pass routing holds for ``J`` children of ``d x m`` votes each:
-    a multiple of 8 within :data:`VOTE_BUDGET`, at most :data:`MAX_BLOCK`; 0 where fewer than
-    :data:`MIN_BLOCK` fit (route iteration by iteration there)."""
+def agreement_plan(j: int, d: int, m: int) -> tuple[int, bool]:
+    """Sites a block of the one-pass routing holds for ``J`` children of ``d x m`` votes each,
+    and whether it keeps their votes: a multiple of 8 within :data:`VOTE_BUDGET` (at most
+    :data:`MAX_BLOCK`) where at least :data:`MIN_BLOCK` fit, else :data:`MAX_BLOCK` sites that
+    build their votes again for each use."""
     fit = VOTE_BUDGET // max(1, j * d * m) // 8 * 8
-    return min(fit, MAX_BLOCK) if fit >= MIN_BLOCK else 0
+    return (min(fit, MAX_BLOCK), True) if fit >= MIN_BLOCK else (MAX_BLOCK, False)
 
 
 def agreement_forward(
-    x: Tensor, wc: Tensor, c: int, iterations: int, block: int
+    x: Tensor, wc: Tensor, c: int, iterations: int, plan: tuple[int, bool]
 ) -> tuple[Tensor, ...]:
     """The sums ``s[T, B, d, m]``, their squashes ``v[T, B, d, m]`` and the coefficients of
     iterations 2..T ``r[T-1, J, B, m]`` of child poses ``x[J, B, a, x]`` and weights
-    ``wc[J, x, c*m]``, both contiguous, ``block`` sites at a time (:func:`agreement_block`)."""
+    ``wc[J, x, c*m]``, both contiguous, in blocks of sites as ``plan`` says
+    (:func:`agreement_plan`)."""
     j, bsz, a, _ = x.shape
     m = wc.shape[2] // c
     s = x.new_empty(iterations, bsz, a * c, m)  # [T, B, d, m]
     v = s.new_empty(s.shape)  # [T, B, d, m]
     r = x.new_empty(iterations - 1, j, bsz, m)  # [T-1, J, B, m]
-    run_pass("agreement_forward", x, (x, wc, s, v, r), c, m, dims=(iterations, block))
+    dims = (iterations, plan[0], int(plan[1]))
+    run_pass("agreement_forward", x, (x, wc, s, v, r), c, m, dims=dims)
     return s, v, r
 
 
@@ -57,7 +61,7 @@ def agreement_backward(
     r: Tensor,
     gv: Tensor,
     c: int,
-    block: int,
+    plan: tuple[int, bool],
     needs: tuple[bool, bool],
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients ``gx[J, B, a, x]`` and ``gw[J, x, c*m]`` (each only where ``needs`` says) from
@@ -65,7 +69,8 @@ def agreement_backward(
     m, iterations = wc.shape[2] // c, s.shape[0]
     gx = x.new_empty(x.shape) if needs[0] else None  # [J, B, a, x]
     ts = (x, wc, transposed(wc, gx), s, r, gv, gx)
+    dims = (iterations, plan[0], int(plan[1]))
     gw = run_backward_pass(
-        "agreement_backward", x, ts, c, m, wc.shape, needs[1], dims=(iterations, block)
+        "agreement_backward", x, ts, c, m, wc.shape, needs[1], dims=dims
     )  # [J, x, c*m]
     return gx, gw

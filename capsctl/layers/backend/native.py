@@ -132,8 +132,8 @@ _PASS_POINTERS = {
 }
 ARGTYPES: dict[str, list[type]] = {
     **{name: [_PTR] * n + [_I64] * 8 for name, n in _PASS_POINTERS.items()},
-    "agreement_forward": [_PTR] * 5 + [_I64] * 10,
-    "agreement_backward": [_PTR] * 8 + [_I64] * 10,
+    "agreement_forward": [_PTR] * 5 + [_I64] * 11,
+    "agreement_backward": [_PTR] * 8 + [_I64] * 11,
     "layer_norm_forward": [_PTR] * 6 + [_I64, _F32, _I64, _I64],
     "layer_norm_backward": [_PTR] * 7 + [_I64] * 3,
     "layer_norm_forward_layout": [_PTR] * 6 + [_I64] * 3 + [_F32, _I64, _I64],

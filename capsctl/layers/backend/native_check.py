@@ -158,17 +158,18 @@ def _agreement(lib: ctypes.CDLL, shape: tuple[int, ...], g: torch.Generator) -> 
         rs.append(torch.softmax((v * sum(poses)).sum(2), -1))  # [J, B, m]
         sums.append((rs[-1].unsqueeze(2) * v).sum(0))  # [B, d, m]
         poses.append(_squash(sums[-1]))
-    got = (_nan(iters, B, d, m), _nan(iters, B, d, m), _nan(iters - 1, J, B, m))
-    _run(lib, "agreement_forward", (x, wc, *got), (J, B, a, xd, c, m, iters, 2, 0, B))
-    _check(
-        f"agreement_forward{shape}", got, (torch.stack(sums), torch.stack(poses), torch.stack(rs))
-    )
     ups, want = _grads(poses, ins, g)
-    gx, gw = _nan(J, B, a, xd), _nan(J, xd, c * m)
     wt = wc.detach().transpose(1, 2).contiguous()  # [J, c*m, x]
-    ts = (x, wc, wt, got[0], got[2], torch.stack(ups), gx, gw)
-    _run(lib, "agreement_backward", ts, (J, B, a, xd, c, m, iters, 2, 0, B))
-    _check(f"agreement_backward{shape}", (gx, gw), want)
+    for keep in (1, 0):  # the block's votes kept, or built again for each use
+        dims = (J, B, a, xd, c, m, iters, 2, keep, 0, B)  # blocks of 2 sites
+        got = (_nan(iters, B, d, m), _nan(iters, B, d, m), _nan(iters - 1, J, B, m))
+        _run(lib, "agreement_forward", (x, wc, *got), dims)
+        want_fwd = (torch.stack(sums), torch.stack(poses), torch.stack(rs))
+        _check(f"agreement_forward{shape} keep={keep}", got, want_fwd)
+        gx, gw = _nan(J, B, a, xd), _nan(J, xd, c * m)
+        ts = (x, wc, wt, got[0], got[2], torch.stack(ups), gx, gw)
+        _run(lib, "agreement_backward", ts, dims)
+        _check(f"agreement_backward{shape} keep={keep}", (gx, gw), want)
 
 
 def _weighted(lib: ctypes.CDLL, shape: tuple[int, ...], g: torch.Generator) -> None:

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from capsctl.layers.backend.agreement import (
     agreement_backward,
-    agreement_block,
     agreement_forward,
+    agreement_plan,
 )
 from capsctl.layers.backend.cost import VoteShape
 from capsctl.layers.backend.dispatch import autocast_dtype, choose, peek
@@ -74,13 +74,13 @@ class AgreementPass(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: Tensor, w: Tensor, iterations: int, block: int
+        ctx, x: Tensor, w: Tensor, iterations: int, plan: tuple[int, bool]
     ) -> tuple[Tensor, Tensor]:
         a, c = x.shape[2], w.shape[3]
         xc, wc = prepare(x, w)  # [J, B, a, x], [J, x, c*m]
-        s, v, r = agreement_forward(xc, wc, c, iterations, block)
+        s, v, r = agreement_forward(xc, wc, c, iterations, plan)
         ctx.save_for_backward(xc, wc, s, r)
-        ctx.c, ctx.block = c, block
+        ctx.c, ctx.plan = c, plan
         ctx.mark_non_differentiable(r)
         ctx.set_materialize_grads(False)
         return _parent_major(v, a, c), r  # [T, B, m, a, c], [T-1, J, B, m]
@@ -92,7 +92,7 @@ class AgreementPass(torch.autograd.Function):
         x, wc, s, r = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         gq = _site_major(gv)  # [T, B, d, m]
-        gx, gwc = agreement_backward(x, wc, s, r, gq, ctx.c, ctx.block, needs)  # gwc [J, x, c*m]
+        gx, gwc = agreement_backward(x, wc, s, r, gq, ctx.c, ctx.plan, needs)  # gwc [J, x, c*m]
         return gx, unprepare_weights(gwc, ctx.c), None, None
 
 
@@ -100,25 +100,26 @@ def agreement_pass(x: Tensor, w: Tensor, iterations: int) -> tuple[Tensor, Tenso
     """All ``iterations`` of routing by agreement over ``x[J, B, a, x]`` and ``w[J, x, m, c]``
     in one pass where the compiled loops run: the poses ``v[T, B, m, a, c]`` of every iteration
     (squashed) and the coefficients ``R[T-1, J, B, m]`` of iterations 2..T (detached). None
-    where they do not (another device, ``use()``, tracing) or would not pay off (a block of
-    sites' votes outgrowing their budget, capsctl/layers/backend/agreement.py): route iteration
-    by iteration there. Under autocast the loops run in float32, as every compiled pass."""
+    where they do not (another device, ``use()``, tracing): route iteration by iteration there.
+    Blocks of sites keep their votes or build them again as
+    capsctl/layers/backend/agreement.py plans. Under autocast the loops run in float32, as every
+    compiled pass."""
     j, bsz, a, _ = x.shape
     m, c = w.shape[2], w.shape[3]
-    block = agreement_block(j, a * c, m)
-    if iterations < 2 or block == 0:
+    if iterations < 2:
         return None
     votes, low = VoteShape.of(x.shape, w.shape), autocast_dtype(x)
     if peek(x, w, autocast=low, votes=votes).backend != "native":
         return None
     choose(x, w, autocast=low, votes=votes)  # counted as one pass (dispatch.ran)
+    plan = agreement_plan(j, a * c, m)
     # every iteration's agreement and weighted sum: J*B*m*d multiply-accumulates each
     add_routing_flops(2 * 2 * (iterations - 1) * j * bsz * m * a * c)
     with torch.autocast(device_type=x.device.type, enabled=False):
         x, w = x.float(), w.float()
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return AgreementPass.apply(x, w, iterations, block)
+            return AgreementPass.apply(x, w, iterations, plan)
         with torch.no_grad():
             xc, wc = prepare(x, w)
-            _, v, r = agreement_forward(xc, wc, c, iterations, block)
+            _, v, r = agreement_forward(xc, wc, c, iterations, plan)
             return _parent_major(v, a, c), r

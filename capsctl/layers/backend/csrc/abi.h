@@ -7,7 +7,8 @@
 // the loops of 16-d pose vectors where gx is wanted; may be null otherwise), and the calling
 // thread's weight-gradient accumulator as its last pointer (zeroed by the loops). The
 // LayerNorm's functions (layer_norm.cpp) take rows [r0, r1) instead. Routing by agreement
-// (agreement.cpp) takes the iterations T and the sites a block holds between m and b0.
+// (agreement.cpp) takes the iterations T, the sites of a block and whether the block keeps its
+// votes (1) or builds them again for each use (0) between m and b0.
 #pragma once
 
 #define CAPSCTL_KERNELS_ABI 7

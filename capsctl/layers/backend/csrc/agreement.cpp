@@ -74,31 +74,55 @@ inline void squash_backward_dm(const float* __restrict s, const float* __restric
   }
 }
 
+// The votes of a block's children: built once for the block and kept (keep), or built again
+// for a child each time they are asked for (where the block's votes would outgrow the cache)
 template <class S>
-inline void all_votes(const float* __restrict x, const float* __restrict w, float* __restrict vv,
-                      const Dims& dd, const S& sh, int64_t lo, int64_t hi) {
-  const int64_t dm = sh.dm(), ax = sh.ax(), wn = sh.x() * sh.cm(), n = hi - lo;
-  for (int64_t j = 0; j < dd.j; ++j)
-    block_votes(x + (j * dd.b + lo) * ax, w + j * wn, vv + j * n * dm, n * sh.a(), sh);
-}
+struct BlockVotes {
+  const float* __restrict x;
+  const float* __restrict w;
+  const Dims& dd;
+  const S& sh;
+  bool keep;
+  Scratch buf;  // [J, n, d*m] kept, else [n, d*m]
+  int64_t lo = 0, n = 0;
+
+  BlockVotes(const float* x_, const float* w_, const Dims& d_, const S& s_, bool keep_,
+             int64_t bs)
+      : x(x_), w(w_), dd(d_), sh(s_), keep(keep_), buf((keep_ ? d_.j : 1) * bs * s_.dm()) {}
+
+  void build(int64_t j, float* __restrict out) const {
+    block_votes(x + (j * dd.b + lo) * sh.ax(), w + j * sh.x() * sh.cm(), out, n * sh.a(), sh);
+  }
+  void start(int64_t lo_, int64_t hi) {
+    lo = lo_;
+    n = hi - lo_;
+    for (int64_t j = 0; keep && j < dd.j; ++j) build(j, buf.data() + j * n * sh.dm());
+  }
+  // the votes v[n, d, m] of child j at the block's sites
+  const float* of(int64_t j) const {
+    if (keep) return buf.data() + j * n * sh.dm();
+    build(j, buf.data());
+    return buf.data();
+  }
+};
 
 template <int A, int X, int C, int M>
 void forward(const float* __restrict x, const float* __restrict w, float* __restrict s,
              float* __restrict v, float* __restrict r, const Dims& dd, int64_t iters, int64_t bs,
-             int64_t b0, int64_t b1) {
+             bool keep, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b;
-  const Scratch votes(dd.j * bs * dm), query(bs * dm), small(2 * m);
-  float* __restrict vv = votes.data();
+  BlockVotes<Shape<A, X, C, M>> votes(x, w, dd, sh, keep, bs);
+  const Scratch query(bs * dm), small(2 * m);
   float* __restrict q = query.data();
   float* __restrict lg = small.data();
   for (int64_t lo = b0; lo < b1; lo += bs) {
     const int64_t hi = std::min(b1, lo + bs), n = hi - lo;
-    all_votes(x, w, vv, dd, sh, lo, hi);
+    votes.start(lo, hi);
     float* __restrict s1 = s + lo * dm;  // iteration 1: S = sum_J V / m
     std::fill(s1, s1 + n * dm, 0.f);
     for (int64_t j = 0; j < dd.j; ++j) {
-      const float* __restrict vj = vv + j * n * dm;
+      const float* __restrict vj = votes.of(j);
 #pragma omp simd
       for (int64_t e = 0; e < n * dm; ++e) s1[e] += vj[e];
     }
@@ -112,7 +136,7 @@ void forward(const float* __restrict x, const float* __restrict w, float* __rest
       float* __restrict rt = r + (t - 1) * dd.j * nb * m;
       std::fill(st, st + n * dm, 0.f);
       for (int64_t j = 0; j < dd.j; ++j) {
-        const float* __restrict vj = vv + j * n * dm;
+        const float* __restrict vj = votes.of(j);
         for (int64_t b = 0; b < n; ++b) {
           float* __restrict rj = rt + (j * nb + lo + b) * m;
           dot_d(vj + b * dm, q + b * dm, rj, sh);
@@ -132,22 +156,22 @@ template <int A, int X, int C, int M>
 void backward(const float* __restrict x, const float* __restrict w, const float* __restrict wt,
               const float* __restrict s, const float* __restrict r, const float* __restrict gv,
               float* __restrict gx, float* __restrict gw, const Dims& dd, int64_t iters,
-              int64_t bs, int64_t b0, int64_t b1) {
+              int64_t bs, bool keep, int64_t b0, int64_t b1) {
   const Shape<A, X, C, M> sh(dd);
   const VoteGrads<A, X, C, M> vg(sh, x, wt, gx, gw, dd.b, b0);
   if (!vg.wanted()) return;
   const int64_t d = sh.d(), m = sh.m(), dm = sh.dm(), nb = dd.b, nt = iters;
   // per block: the votes of every child; Q_t, G_t and the gradient reaching v_t for each
   // iteration; dA of each routed iteration and child
-  const Scratch votes(dd.j * bs * dm), qs(nt * bs * dm), gs(nt * bs * dm), acc(nt * bs * dm),
+  BlockVotes<Shape<A, X, C, M>> votes(x, w, dd, sh, keep, bs);
+  const Scratch qs(nt * bs * dm), gs(nt * bs * dm), acc(nt * bs * dm),
       das((nt > 1 ? nt - 1 : 1) * dd.j * bs * m), dq(bs * dm), small(2 * m);
-  float* __restrict vv = votes.data();
   float* __restrict lg = small.data();
   float* __restrict lg2 = lg + m;
   const float inv_m = 1.f / static_cast<float>(m);
   for (int64_t lo = b0; lo < b1; lo += bs) {
     const int64_t hi = std::min(b1, lo + bs), n = hi - lo;
-    all_votes(x, w, vv, dd, sh, lo, hi);
+    votes.start(lo, hi);
     // Q_t = v_1 + ... + v_{t-1} from the saved sums; the incoming gradients of v_t
     std::fill(qs.data(), qs.data() + nt * n * dm, 0.f);
     for (int64_t t = 0; t + 1 < nt; ++t) {
@@ -172,7 +196,7 @@ void backward(const float* __restrict x, const float* __restrict w, const float*
       float* __restrict dqt = dq.data();
       std::fill(dqt, dqt + n * dm, 0.f);
       for (int64_t j = 0; j < dd.j; ++j) {
-        const float* __restrict vj = vv + j * n * dm;
+        const float* __restrict vj = votes.of(j);
         for (int64_t b = 0; b < n; ++b) {
           const float* __restrict rj = rt + (j * nb + lo + b) * m;
           float* __restrict da = dat + (j * n + b) * m;
@@ -218,17 +242,19 @@ extern "C" {
 
 void capsctl_agreement_forward(const float* x, const float* w, float* s, float* v, float* r,
                                int64_t j, int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
-                               int64_t iters, int64_t block, int64_t b0, int64_t b1) {
+                               int64_t iters, int64_t block, int64_t keep, int64_t b0,
+                               int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(forward, x, w, s, v, r, dd, iters, block, b0, b1);
+  CAPSCTL_DISPATCH(forward, x, w, s, v, r, dd, iters, block, keep != 0, b0, b1);
 }
 
 void capsctl_agreement_backward(const float* x, const float* w, const float* wt, const float* s,
                                 const float* r, const float* gv, float* gx, float* gw, int64_t j,
                                 int64_t b, int64_t a, int64_t xd, int64_t c, int64_t m,
-                                int64_t iters, int64_t block, int64_t b0, int64_t b1) {
+                                int64_t iters, int64_t block, int64_t keep, int64_t b0,
+                                int64_t b1) {
   const Dims dd{j, b, a, xd, c, m};
-  CAPSCTL_DISPATCH(backward, x, w, wt, s, r, gv, gx, gw, dd, iters, block, b0, b1);
+  CAPSCTL_DISPATCH(backward, x, w, wt, s, r, gv, gx, gw, dd, iters, block, keep != 0, b0, b1);
 }
 
 }  // extern "C"
