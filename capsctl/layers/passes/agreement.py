@@ -10,10 +10,11 @@ parent poses so far, ``Q_t = v_1 + ... + v_{t-1}``, and every sum is squashed,
 Run iteration by iteration, each routed pass builds the votes once forward and three times
 backward (the votes, their products into ``dX`` and ``dW``). Where the compiled loops run,
 :func:`agreement_pass` runs all ``T`` iterations as one pass (csrc/agreement.cpp): a block of
-sites builds the votes of all its children once and keeps them in cache for every iteration,
-and the backward pass walks the iterations back through one rebuild of the votes, summing the
-votes' gradients over the iterations before the two products. Everywhere else it returns None,
-and the caller routes iteration by iteration (capsctl/layers/routers/dynamic.py).
+sites runs every iteration on its votes (kept in cache where they fit, else built again for
+each use, as capsctl/layers/backend/agreement.py plans), and the backward pass walks the
+iterations back, summing the votes' gradients over the iterations before the two products.
+Everywhere else it returns None, and the caller routes iteration by iteration
+(capsctl/layers/routers/dynamic.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 // Routing by agreement (dynamic routing, Sabour et al., NeurIPS 2017, Procedure 1) as one pass
-// over a layer: every iteration of a block of parent sites from one product of its votes.
+// over a layer: every iteration of a block of parent sites, forward and backward.
 //
-// Iterations of a site depend only on that site's votes, so a block of sites builds the votes
-// of all its children once (scratch of J * block * d*m floats; the caller picks the block, at
-// most the backward block of VoteGrads, whose block() takes one block's votes' gradients) and
-// runs the uniform pass, every routed iteration and the squashes from them; the
-// backward pass builds them once more and walks the iterations back through the same scratch,
-// then multiplies the votes' gradient, summed over the iterations, into dX and dW once. Three
-// vote-sized products a layer (one forward, two backward, plus the votes' rebuild) instead of
-// one per iteration each way.
+// Iterations of a site depend only on that site's votes, so a block of sites runs the uniform
+// pass, every routed iteration and the squashes; the backward pass walks the iterations back
+// and multiplies the votes' gradient, summed over the iterations, into dX and dW once. A block
+// either builds the votes of all its children once and keeps them (J * block * d*m floats of
+// scratch): one vote-sized product forward, three backward; or, where they would outgrow the
+// cache, builds a child's votes again for each use: T forward, T - 1 + 2 backward. Routed
+// iteration by iteration, a layer takes 4 (T - 1) products forward and backward, plus the
+// uniform pass's three. The caller picks the block (at most the backward block of VoteGrads, whose
+// block() takes one block's votes' gradients) and whether it keeps its votes.
 //
 // Letters and layouts as capsctl/layers/passes/routed.py and routed.cpp:
 //   x[J, B, a, x] child poses    w[J, x, c, m] weights (parent type innermost)
