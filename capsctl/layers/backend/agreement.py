@@ -8,6 +8,7 @@ layouts as in agreement.cpp.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from capsctl.layers.backend.bindings import run_backward_pass, run_pass, transposed
@@ -47,6 +48,10 @@ def agreement_forward(
     j, bsz, a, _ = x.shape
     m = wc.shape[2] // c
     s = x.new_empty(iterations, bsz, a * c, m)  # [T, B, d, m]
+    if not plan[1]:  # the uniform pass's sums: one product, [B*a, J*x] @ [J*x, c*m]
+        xs = x.permute(1, 2, 0, 3).reshape(bsz * a, -1)  # [B*a, J*x]
+        torch.mm(xs, wc.view(-1, c * m), out=s[0].view(bsz * a, c * m))  # [B, a, c, m]
+        s[0].mul_(1.0 / m)
     v = s.new_empty(s.shape)  # [T, B, d, m]
     r = x.new_empty(iterations - 1, j, bsz, m)  # [T-1, J, B, m]
     dims = (iterations, plan[0], int(plan[1]))

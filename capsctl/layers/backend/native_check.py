@@ -163,6 +163,8 @@ def _agreement(lib: ctypes.CDLL, shape: tuple[int, ...], g: torch.Generator) -> 
     for keep in (1, 0):  # the block's votes kept, or built again for each use
         dims = (J, B, a, xd, c, m, iters, 2, keep, 0, B)  # blocks of 2 sites
         got = (_nan(iters, B, d, m), _nan(iters, B, d, m), _nan(iters - 1, J, B, m))
+        if not keep:  # the caller gives the uniform pass's sums
+            got[0][0] = sums[0].detach()
         _run(lib, "agreement_forward", (x, wc, *got), dims)
         want_fwd = (torch.stack(sums), torch.stack(poses), torch.stack(rs))
         _check(f"agreement_forward{shape} keep={keep}", got, want_fwd)

@@ -6,7 +6,8 @@
 // and multiplies the votes' gradient, summed over the iterations, into dX and dW once. A block
 // either builds the votes of all its children once and keeps them (J * block * d*m floats of
 // scratch): one vote-sized product forward, three backward; or, where they would outgrow the
-// cache, builds a child's votes again for each use: T forward, T - 1 + 2 backward. Routed
+// cache, builds a child's votes again for each use: T - 1 forward (the caller gives the uniform
+// pass's sums in s[0], one matrix product over all sites), T - 1 + 2 backward. Routed
 // iteration by iteration, a layer takes 4 (T - 1) products forward and backward, plus the
 // uniform pass's three. The caller picks the block (at most the backward block of VoteGrads, whose
 // block() takes one block's votes' gradients) and whether it keeps its votes.
@@ -121,14 +122,16 @@ void forward(const float* __restrict x, const float* __restrict w, float* __rest
     const int64_t hi = std::min(b1, lo + bs), n = hi - lo;
     votes.start(lo, hi);
     float* __restrict s1 = s + lo * dm;  // iteration 1: S = sum_J V / m
-    std::fill(s1, s1 + n * dm, 0.f);
-    for (int64_t j = 0; j < dd.j; ++j) {
-      const float* __restrict vj = votes.of(j);
+    if (keep) {  // from the kept votes; else the caller's (one matrix product over all sites)
+      std::fill(s1, s1 + n * dm, 0.f);
+      for (int64_t j = 0; j < dd.j; ++j) {
+        const float* __restrict vj = votes.of(j);
 #pragma omp simd
-      for (int64_t e = 0; e < n * dm; ++e) s1[e] += vj[e];
+        for (int64_t e = 0; e < n * dm; ++e) s1[e] += vj[e];
+      }
+      const float inv_m = 1.f / static_cast<float>(m);
+      for (int64_t e = 0; e < n * dm; ++e) s1[e] *= inv_m;
     }
-    const float inv_m = 1.f / static_cast<float>(m);
-    for (int64_t e = 0; e < n * dm; ++e) s1[e] *= inv_m;
     for (int64_t b = 0; b < n; ++b) squash_dm(s1 + b * dm, v + (lo + b) * dm, d, m, lg);
     std::copy(v + lo * dm, v + hi * dm, q);  // Q_2 = v_1
     for (int64_t t = 1; t < iters; ++t) {
