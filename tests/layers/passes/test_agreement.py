@@ -92,6 +92,23 @@ def test_one_pass_matches_procedure_1_forward_and_backward(
         torch.testing.assert_close(gw, ww.float(), atol=1e-5, rtol=1e-3)
 
 
+def test_a_parent_whose_coefficients_vanish_gets_finite_poses() -> None:
+    # large weights (the class capsules' initial scale): some parents' sums fall to 1e-23,
+    # whose squared length is subnormal; an approximate square root made their poses infinite
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x = (torch.randn(20, 2, 1, 36, generator=g) * 0.3).requires_grad_()
+        w = (torch.randn(20, 36, 32, 36, generator=g) * 7.0).requires_grad_()
+        got = agreement_pass(x, w, ITERATIONS)
+        assert got is not None
+        want = _procedure_1(x.double(), w.double(), ITERATIONS)[0]
+        assert torch.isfinite(got[0]).all()
+        # logits of about 80: float32's coefficients differ from float64's in the 5th digit
+        torch.testing.assert_close(got[0], want.float(), atol=1e-4, rtol=0)
+        gx, gw = torch.autograd.grad(got[0].square().sum(), (x, w))
+        assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
+
+
 def test_without_gradients_the_same_poses() -> None:
     x, w = _inputs(40, 70, (1, 16, 16, 10), seed=5)
     with torch.no_grad():

@@ -32,6 +32,12 @@
 
 namespace {
 
+// |s| from |s|^2, 0 below 1e-30: -ffast-math computes a square root as x * rsqrt(x), and the
+// approximate reciprocal of a subnormal |s|^2 is infinite (a parent whose coefficients had all
+// but vanished got infinite poses). Below the floor |s| < 1e-15, so its squash, |s| s at most,
+// is below 1e-30, and its gradient below 1e-15 times the incoming one.
+inline float root(float n2) { return n2 > 1e-30f ? std::sqrt(n2) : 0.f; }
+
 // v[d, m] = squash(s[d, m]) over d for each parent type
 inline void squash_dm(const float* __restrict s, float* __restrict v, int64_t d, int64_t m,
                       float* __restrict nrm) {
@@ -41,7 +47,7 @@ inline void squash_dm(const float* __restrict s, float* __restrict v, int64_t d,
     for (int64_t k = 0; k < m; ++k) nrm[k] += s[i * m + k] * s[i * m + k];
   }
   for (int64_t k = 0; k < m; ++k) {
-    const float n = std::sqrt(nrm[k]);
+    const float n = root(nrm[k]);
     nrm[k] = n / (1.f + nrm[k]);
   }
   for (int64_t i = 0; i < d; ++i) {
@@ -64,7 +70,7 @@ inline void squash_backward_dm(const float* __restrict s, const float* __restric
     }
   }
   for (int64_t k = 0; k < m; ++k) {
-    const float n2 = t1[k], n = std::sqrt(n2), den = 1.f + n2;
+    const float n2 = t1[k], n = root(n2), den = 1.f + n2;
     const float f = n / den;
     const float fp = n > 0.f ? (1.f - n2) / (den * den * n) : 0.f;
     t1[k] = f;
