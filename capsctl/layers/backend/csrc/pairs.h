@@ -75,41 +75,20 @@ struct VoteGrads {
     if constexpr (kBlock) {
       if (!wanted()) return;
       const int64_t cm = sh.cm(), rows = hi - lo;
-      float* __restrict g = buf.data();  // [kSites, cm]; rows past hi - lo are zeroed
-      std::fill(g + rows * cm, g + kSites * cm, 0.f);
+      const float* __restrict g = buf.data();  // [kSites, cm], the first hi - lo rows
       const float* __restrict xb = x + (j * nb + lo) * X;  // [rows, 16]
       if (gx != nullptr) {
         const float* __restrict wtj = wt + j * cm * X;  // w_j^T [cm, 16]
         for (int64_t r0 = 0; r0 < rows; r0 += kGxRows) {  // kGxRows sites, in registers
           const float* __restrict gr = g + r0 * cm;
           float* __restrict gxb = gx + (j * nb + lo + r0) * X;
-          const int64_t n = std::min<int64_t>(kGxRows, rows - r0);
-#if defined(__AVX512F__)
-          v16 acc[kGxRows] = {};
-          for (int64_t t = 0; t < cm; ++t) {
-            const v16 wv = load16(wtj + t * X);
-#pragma GCC unroll 16
-            for (int64_t r = 0; r < kGxRows; ++r) acc[r] += gr[r * cm + t] * wv;
+          // gx[r, :] = g[r, :] @ w_j^T: the votes' product's register tile, rows of c*m
+          if (rows - r0 >= kGxRows) {
+            vote_rows<kGxRows, 0>(gr, wtj, gxb, cm, X);
+          } else {
+            for (int64_t r = 0; r < rows - r0; ++r)
+              vote_rows<1, 0>(gr + r * cm, wtj, gxb + r * X, cm, X);
           }
-          for (int64_t r = 0; r < n; ++r) __builtin_memcpy(gxb + r * X, &acc[r], sizeof(v16));
-#else
-          // two halves of eight floats a row: a 16-float vector type is no register here,
-          // and GCC kept an array of them on the stack, moving each through general registers
-          v8 lo8[kGxRows] = {}, hi8[kGxRows] = {};
-          for (int64_t t = 0; t < cm; ++t) {
-            const v8 wl = load8(wtj + t * X), wh = load8(wtj + t * X + 8);
-#pragma GCC unroll 16
-            for (int64_t r = 0; r < kGxRows; ++r) {
-              const float gv = gr[r * cm + t];
-              lo8[r] += gv * wl;
-              hi8[r] += gv * wh;
-            }
-          }
-          for (int64_t r = 0; r < n; ++r) {
-            __builtin_memcpy(gxb + r * X, &lo8[r], sizeof(v8));
-            __builtin_memcpy(gxb + r * X + 8, &hi8[r], sizeof(v8));
-          }
-#endif
         }
       }
       if (gw != nullptr) {
