@@ -32,29 +32,7 @@ from capsctl.layers.backend.dispatch import autocast_dtype, choose, peek
 from capsctl.layers.passes.flops import add_routing_flops
 from capsctl.layers.passes.tiles import prepare, unprepare_weights
 
-__all__ = ["AgreementPass", "agreement_pass", "agreement_reference"]
-
-
-def _squash(s: Tensor) -> Tensor:
-    """``s |s| / (1 + |s|^2)`` over the last dim (Sabour et al. 2017, eq. 1)."""
-    norm = torch.linalg.vector_norm(s, dim=-1, keepdim=True)
-    return s * (norm / (1.0 + norm * norm))
-
-
-def agreement_reference(x: Tensor, w: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
-    """Procedure 1 with the full vote tensor (small inputs; tests): the poses of every
-    iteration ``[T, B, m, a, c]`` and the coefficients of iterations 2..T ``[T-1, J, B, m]``."""
-    m = w.shape[2]
-    v = torch.einsum("jbax,jxmc->jbmac", x, w)  # [J, B, m, a, c]
-    poses = [_squash((v.sum(0) / m).flatten(2)).view_as(v[0])]  # [B, m, a, c]
-    coeffs = []
-    for _ in range(1, iterations):
-        q = torch.stack(poses).sum(0)  # [B, m, a, c]
-        r = torch.softmax(torch.einsum("jbmac,bmac->jbm", v, q), dim=-1)  # [J, B, m]
-        s = torch.einsum("jbm,jbmac->bmac", r, v)  # [B, m, a, c]
-        poses.append(_squash(s.flatten(2)).view_as(s))
-        coeffs.append(r)
-    return torch.stack(poses), torch.stack(coeffs) if coeffs else v.new_empty(0, *v.shape[:3])
+__all__ = ["AgreementPass", "agreement_pass"]
 
 
 def _site_major(t: Tensor) -> Tensor:
